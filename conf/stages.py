@@ -1,0 +1,43 @@
+"""Which config sections each stage depends on, and the hash that says whether a stage's output is still valid.
+
+A stage's output folder records the hash of the config it was made with; the pipeline skips a stage whose output is
+complete for the same hash, resumes an unfinished one, and refuses to mix outputs of different configs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+# Sections that change a stage's output. Paths where outputs go, logging and loop cadence are not among them.
+STAGE_SECTIONS = {
+    "teacher": ["seed", "target", "data", "teacher"],
+    "train": ["seed", "target", "data", "teacher", "drafter", "trainer"],
+    "eval": ["seed", "target", "data", "teacher", "drafter", "trainer", "eval"],
+}
+IGNORED = {"out_dir", "log_every", "save_every", "resume"}
+
+
+def stage_config(cfg: DictConfig, stage: str) -> dict:
+    """The resolved part of the config that determines the stage's output."""
+    full = OmegaConf.to_container(cfg, resolve=True)
+
+    def strip(node):
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in IGNORED}
+        return node
+
+    return {k: strip(full[k]) for k in STAGE_SECTIONS[stage]}
+
+
+def config_hash(cfg: DictConfig, stage: str) -> str:
+    blob = json.dumps(stage_config(cfg, stage), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def stage_dir(cfg: DictConfig, stage: str, run_dir: str | Path) -> Path:
+    """Where a stage writes: <run_dir>/<stage>.out_dir unless out_dir is absolute."""
+    section = {"teacher": cfg.teacher, "train": cfg.trainer, "eval": cfg.eval}[stage]
+    return Path(run_dir) / section.out_dir

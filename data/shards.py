@@ -1,0 +1,197 @@
+"""The teacher dataset on disk: safetensors shards plus a JSON manifest, written crash-safe, read lazily.
+
+Layout of a dataset folder:
+  plan.json                 the ordered sample ids of every shard and the config hash (written first)
+  shard-00000.safetensors   input_ids int32 (N,), loss_mask uint8 (N,), features (N, n*H) bf16 by default,
+                            offsets int64 (S+1,): sample s is rows offsets[s]:offsets[s+1];
+                            optional topk_ids int32 (N, k), topk_logprobs float32 (N, k)
+  shard-00000.json          the shard's record: sample ids, counts, sha256 (written after the shard: the commit mark)
+  manifest.json             every shard record + target/layer metadata (written last: the dataset is complete)
+Every file is written under a temporary name and renamed when complete, so a killed run never leaves a file that a
+later stage would trust.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from bisect import bisect_right
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+FORMAT_VERSION = 1
+
+
+class DatasetError(Exception):
+    """A teacher dataset that cannot be used, with the fix in the message."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically write JSON (temporary name, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: torch.dtype) -> dict:
+    """Write one shard of samples (dicts with id, input_ids, loss_mask, features[, topk_*]) and its record."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    tensors = {
+        "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]),
+        "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]),
+        "features": torch.cat([s["features"] for s in samples]).to(feature_dtype).contiguous(),
+        "offsets": offsets,
+    }
+    if "topk_ids" in samples[0]:
+        tensors["topk_ids"] = torch.cat([s["topk_ids"] for s in samples]).to(torch.int32)
+        tensors["topk_logprobs"] = torch.cat([s["topk_logprobs"] for s in samples]).float()
+    name = shard_name(index)
+    path = folder / f"{name}.safetensors"
+    tmp = folder / f"{name}.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    record = {
+        "index": index,
+        "file": path.name,
+        "sha256": sha256_file(tmp),
+        "bytes": tmp.stat().st_size,
+        "ids": [s["id"] for s in samples],
+        "num_samples": len(samples),
+        "num_tokens": int(offsets[-1]),
+        "num_loss_tokens": int(tensors["loss_mask"].sum()),
+        "num_turns": [s["num_turns"] for s in samples],
+    }
+    os.replace(tmp, path)
+    write_json(folder / f"{name}.json", record)
+    return record
+
+
+def read_shard_record(folder: Path, index: int, check: bool = True) -> dict | None:
+    """The record of a completed shard, or None when the shard is missing, unfinished or (check=True) corrupt."""
+    meta = folder / f"{shard_name(index)}.json"
+    if not meta.is_file():
+        return None
+    record = json.loads(meta.read_text())
+    path = folder / record["file"]
+    if not path.is_file() or path.stat().st_size != record["bytes"]:
+        return None
+    if check and sha256_file(path) != record["sha256"]:
+        return None
+    return record
+
+
+class TeacherDataset(torch.utils.data.Dataset):
+    """Random access to a finished teacher dataset; features are read lazily (memory-mapped slices per sample)."""
+
+    def __init__(self, folder: str | Path, verify: bool = True):
+        self.folder = Path(folder)
+        manifest = self.folder / "manifest.json"
+        if not manifest.is_file():
+            raise DatasetError(
+                f"no teacher dataset at {self.folder} (manifest.json missing: unfinished or never run); "
+                "run dflash-teacher for it first"
+            )
+        self.manifest = json.loads(manifest.read_text())
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise DatasetError(f"{manifest}: format_version {self.manifest.get('format_version')} != {FORMAT_VERSION}")
+        self.shards = self.manifest["shards"]
+        self.ids = [i for s in self.shards for i in s["ids"]]
+        self._starts = [0]
+        for s in self.shards:
+            self._starts.append(self._starts[-1] + s["num_samples"])
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, list[int]] = {}
+        if verify:
+            self.verify()
+
+    # -- metadata --------------------------------------------------------------------------------------------
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.manifest["layer_ids"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.manifest["target"]["hidden_size"]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["num_tokens"] for s in self.shards)
+
+    def verify(self) -> None:
+        """Check every shard against the manifest checksum; a bad one is named in the error."""
+        for s in self.shards:
+            path = self.folder / s["file"]
+            if not path.is_file():
+                raise DatasetError(f"teacher shard missing: {path}; rerun dflash-teacher to regenerate it")
+            if path.stat().st_size != s["bytes"] or sha256_file(path) != s["sha256"]:
+                raise DatasetError(
+                    f"corrupt teacher shard {path} (checksum mismatch); delete it and its .json record and rerun "
+                    "dflash-teacher to regenerate it"
+                )
+
+    # -- access ----------------------------------------------------------------------------------------------
+    def _shard(self, k: int):
+        if k not in self._handles:
+            path = self.folder / self.shards[k]["file"]
+            try:
+                handle = safe_open(str(path), framework="pt")
+                self._offsets[k] = handle.get_tensor("offsets").tolist()
+            except (SafetensorError, OSError) as e:
+                raise DatasetError(f"corrupt teacher shard {path}: {e}") from e
+            self._handles[k] = handle
+        return self._handles[k], self._offsets[k]
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = bisect_right(self._starts, i) - 1
+        handle, offsets = self._shard(k)
+        j = i - self._starts[k]
+        a, b = offsets[j], offsets[j + 1]
+        item = {name: handle.get_slice(name)[a:b] for name in handle.keys() if name != "offsets"}
+        item["loss_mask"] = item["loss_mask"].bool()
+        item["input_ids"] = item["input_ids"].long()
+        item["id"] = self.ids[i]
+        return item
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[i] for i in range(len(self)))
+
+    def __getstate__(self):  # safe_open handles do not pickle; DataLoader workers reopen them
+        state = self.__dict__.copy()
+        state["_handles"], state["_offsets"] = {}, {}
+        return state
+
+    def as_hf_dataset(self):
+        """The same samples as a `datasets.IterableDataset` (streams from the shards, copies nothing)."""
+        import datasets
+
+        folder = str(self.folder)
+
+        def gen():
+            ds = TeacherDataset(folder, verify=False)
+            for i in range(len(ds)):
+                item = ds[i]
+                yield {k: (v.float().numpy() if torch.is_tensor(v) and v.is_floating_point() else
+                           v.numpy() if torch.is_tensor(v) else v) for k, v in item.items()}
+
+        return datasets.IterableDataset.from_generator(gen)

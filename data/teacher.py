@@ -1,0 +1,230 @@
+"""Teacher stage: regenerate assistant replies with the frozen target and capture its hidden states.
+
+For each conversation: apply the target's chat template, regenerate every assistant turn (up to teacher.max_turns)
+in order on the target's own earlier replies, mark the generated tokens as the loss mask, then capture the tapped
+layers' hidden states for every token (prompt included) in one extra prefill pass.
+
+Why a separate prefill pass instead of collecting hidden states during decoding: it costs one batched forward over
+tokens the target has already produced (measured ~3x the per-token throughput of decoding, see
+scripts/bench_teacher.py), it is right-padded so padding can never shift a position, and multi-turn samples get
+their features from one consistent pass.
+
+Work is planned up front (the ordered samples of every shard, sorted by prompt length so batches carry little
+padding) and written shard by shard; a killed run, started again, skips completed shards and redoes the one in
+progress, so the result is the same dataset an uninterrupted run writes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from conf.stages import config_hash, stage_config
+from data.shards import FORMAT_VERSION, DatasetError, read_shard_record, write_json, write_shard
+from data.sources import load_conversations
+from models.generation import capture, generate
+from models.target import Target, load_target, resolve_layer_ids, torch_dtype
+
+log = logging.getLogger(__name__)
+
+
+# -- chat template ---------------------------------------------------------------------------------------------
+def chat_segments(tokenizer, messages: list[dict], max_turns: int) -> list[list[int]]:
+    """Token ids of the template text before each assistant turn to regenerate.
+
+    segments[k] is what precedes assistant turn k (for k > 0: after assistant turn k-1), so the prompt of turn k is
+    segments[0] + reply[0] + ... + segments[k]. The template is rendered once with placeholder replies and split at
+    them; the replies' own text is never re-tokenized, so the stored ids are exactly what the target produced.
+    """
+    msgs, turns = [], 0
+    for m in messages:
+        if m["role"] == "system" and not msgs:
+            msgs.append(m)
+        elif m["role"] == "user" and turns < max_turns:
+            msgs += [m, {"role": "assistant", "content": f"@@REPLY{turns}@@"}]
+            turns += 1
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    pieces, rest = [], text
+    for k in range(turns):
+        head, rest = rest.split(f"@@REPLY{k}@@", 1)
+        pieces.append(head)
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in pieces]
+
+
+def sample_seed(seed: int, sample_id: str, turn: int) -> int:
+    return int(hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).hexdigest()[:15], 16)
+
+
+# -- one shard -------------------------------------------------------------------------------------------------
+def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, on_tokens=None) -> list[dict]:
+    """Regenerate the assistant turns of `convs` in batches; returns samples with input_ids and loss_mask."""
+    tok, t = target.tokenizer, cfg.teacher
+    eos_ids = target.eos_ids
+    max_len = target.model.config.max_position_embeddings
+    samples = []
+    for c in convs:
+        samples.append({"id": c["id"], "segments": chat_segments(tok, c["messages"], t.max_turns),
+                        "input_ids": [], "loss_mask": [], "num_turns": 0})
+    for turn in range(t.max_turns):
+        todo = []
+        for s in samples:
+            if turn >= len(s["segments"]) or s["num_turns"] < turn:
+                continue
+            seg = s["segments"][turn]
+            if s["input_ids"] and s["input_ids"][-1] in eos_ids and seg[:1] == s["input_ids"][-1:]:
+                seg = seg[1:]  # the reply already ended with the template's end-of-turn token
+            if turn and len(s["input_ids"]) + len(seg) + t.max_new_tokens > max_len:
+                continue  # no room for another turn within the target's context
+            s["input_ids"] += seg
+            s["loss_mask"] += [0] * len(seg)
+            todo.append(s)
+        todo.sort(key=lambda s: len(s["input_ids"]))  # length bucketing: little padding per batch
+        for b in range(0, len(todo), t.batch_size):
+            batch = todo[b: b + t.batch_size]
+            gens = None
+            if t.temperature > 0:
+                gens = [torch.Generator().manual_seed(sample_seed(seed, s["id"], turn)) for s in batch]
+            replies = generate(target.model, [s["input_ids"] for s in batch], max_new_tokens=t.max_new_tokens,
+                               eos_ids=eos_ids, pad_id=tok.pad_token_id, temperature=t.temperature,
+                               top_p=t.top_p, generators=gens)
+            for s, r in zip(batch, replies):
+                s["input_ids"] += r
+                s["loss_mask"] += [1] * len(r)
+                s["num_turns"] += 1
+            if on_tokens:
+                on_tokens(sum(len(r) for r in replies))
+    return samples
+
+
+def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg: DictConfig) -> None:
+    """Capture features for every sample in prefill batches bounded by a token budget (sorted by length)."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
+    batch: list[int] = []
+
+    def flush():
+        outs = capture(target.model, [samples[i]["input_ids"] for i in batch], layer_ids,
+                       pad_id=target.tokenizer.pad_token_id, topk=cfg.teacher.topk_logprobs)
+        for i, o in zip(batch, outs):
+            samples[i].update(o)
+        batch.clear()
+
+    for i in order:
+        width = len(samples[i]["input_ids"])
+        if batch and (len(batch) + 1) * width > cfg.teacher.capture_batch_tokens:
+            flush()
+        batch.append(i)
+    if batch:
+        flush()
+
+
+# -- the stage -------------------------------------------------------------------------------------------------
+def plan_shards(target: Target, convs: list[dict], shard_size: int) -> list[list[int]]:
+    """Conversation indices per shard, in order of first-prompt length (stable): the bucketing order."""
+    lengths = [len(chat_segments(target.tokenizer, c["messages"], 1)[0]) for c in convs]
+    order = sorted(range(len(convs)), key=lambda i: lengths[i])
+    return [order[i: i + shard_size] for i in range(0, len(order), shard_size)]
+
+
+def check_existing(out: Path, digest: str) -> str:
+    """'done' / 'resume' / 'new' for an output folder, refusing a folder made with another config."""
+    for name in ("manifest.json", "plan.json"):
+        f = out / name
+        if f.is_file():
+            theirs = json.loads(f.read_text())["config_hash"]
+            if theirs != digest:
+                raise DatasetError(
+                    f"{out} holds a teacher dataset of a different config (hash {theirs} != {digest}); "
+                    "choose another hydra.run.dir / name, or delete the folder"
+                )
+            return "done" if name == "manifest.json" else "resume"
+    return "new"
+
+
+def run_teacher(cfg: DictConfig, out: Path) -> Path:
+    """Build (or finish) the teacher dataset of `cfg` in folder `out`; returns `out`."""
+    state = PartialState()
+    digest = config_hash(cfg, "teacher")
+    status = check_existing(out, digest)
+    if status == "done":
+        log.info("teacher dataset already complete at %s (config %s): skipping", out, digest)
+        return out
+
+    # Everything that can fail on bad input is checked before the output folder is created.
+    target = load_target(cfg.target, cfg.cache_dir)
+    layer_ids = resolve_layer_ids(cfg.teacher.layer_ids, cfg.teacher.num_taps, target.num_layers)
+    feature_dtype = torch_dtype(cfg.teacher.feature_dtype)
+    notes: list[str] = []
+
+    def note(msg: str) -> None:
+        notes.append(msg)
+        log.info(msg)
+
+    d = cfg.data
+    convs = load_conversations(d.source, path=d.path, name=d.name, split=d.split,
+                               heldout_fraction=d.heldout_fraction, limit=d.num_samples, skip=d.skip,
+                               tokenizer=target.tokenizer, max_prompt_tokens=d.max_prompt_tokens, log=note)
+    target.model.to(state.device)
+    shards = plan_shards(target, convs, cfg.teacher.shard_size)
+    plan = {"config_hash": digest, "shards": [[convs[i]["id"] for i in s] for s in shards]}
+
+    if state.is_main_process:
+        if status == "new":
+            out.mkdir(parents=True, exist_ok=True)
+            write_json(out / "plan.json", plan)
+        elif json.loads((out / "plan.json").read_text())["shards"] != plan["shards"]:
+            raise DatasetError(f"{out}/plan.json lists other samples than this config selects; delete the folder")
+    state.wait_for_everyone()
+
+    mine = [k for k in range(len(shards)) if k % state.num_processes == state.process_index]
+    todo = [k for k in mine if read_shard_record(out, k) is None]
+    total = sum(len(shards[k]) for k in mine)
+    done = total - sum(len(shards[k]) for k in todo)
+    log.info("teacher: %d samples in %d shards (%d done), layers %s -> %s", total, len(mine), done, layer_ids, out)
+    bar = tqdm(total=total, initial=done, unit="sample", desc="teacher", disable=not state.is_local_main_process)
+    start, generated = time.perf_counter(), 0
+
+    def on_tokens(n: int) -> None:
+        nonlocal generated
+        generated += n
+        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.0f} gen tok/s")
+
+    for k in todo:
+        samples = regenerate(target, [convs[i] for i in shards[k]], cfg, cfg.seed, on_tokens)
+        add_features(target, samples, layer_ids, cfg)
+        write_shard(out, k, samples, feature_dtype)
+        bar.update(len(shards[k]))
+    bar.close()
+    state.wait_for_everyone()
+
+    if state.is_main_process:
+        records = [read_shard_record(out, k, check=False) for k in range(len(shards))]
+        missing = [k for k, r in enumerate(records) if r is None]
+        if missing:
+            raise DatasetError(f"teacher shards {missing} are missing in {out}; rerun the same command to finish")
+        mc = target.model.config
+        write_json(out / "manifest.json", {
+            "format_version": FORMAT_VERSION,
+            "config_hash": digest,
+            "config": stage_config(cfg, "teacher"),
+            "target": {"ref": target.ref, "num_layers": mc.num_hidden_layers, "hidden_size": mc.hidden_size,
+                       "vocab_size": mc.vocab_size, "eos_token_id": target.tokenizer.eos_token_id},
+            "layer_ids": layer_ids,
+            "feature_dtype": cfg.teacher.feature_dtype,
+            "topk_logprobs": cfg.teacher.topk_logprobs,
+            "num_samples": sum(r["num_samples"] for r in records),
+            "num_tokens": sum(r["num_tokens"] for r in records),
+            "num_loss_tokens": sum(r["num_loss_tokens"] for r in records),
+            "notes": notes,
+            "shards": records,
+        })
+        log.info("teacher dataset complete: %s", out)
+    state.wait_for_everyone()
+    return out
+

