@@ -47,7 +47,7 @@ def generate(
         mask[r, width - len(p):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, logits_to_keep=1)
     next_pos = mask.sum(-1)  # (rows,) position of the next token per row
     active = list(range(rows))  # original row index of each live batch row
@@ -68,7 +68,7 @@ def generate(
             tokens, mask, next_pos = tokens[idx], mask[idx], next_pos[idx]
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True)
+                    cache=cache, use_cache=True)
         next_pos = next_pos + 1
     return results
 

@@ -1,0 +1,221 @@
+"""The teacher stage: what a drafter is trained on must be exactly what the target computes."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from safetensors.torch import load_file
+
+from data import teacher as teacher_mod
+from data.shards import DatasetError, TeacherDataset
+from data.sources import DataSourceError
+from data.teacher import chat_segments, run_teacher
+from models.target import TargetError, default_layer_ids, load_target
+
+from conftest import make_config
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    cfg = make_config()
+    return load_target(cfg.target, cfg.cache_dir)
+
+
+def test_default_layer_ids_follow_dflash_spacing():
+    assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(30, 1) == [15]
+
+
+def test_features_equal_target_hidden_states_despite_padding(tiny_teacher, tiny_target):
+    ds = TeacherDataset(tiny_teacher)
+    # The capture pass batched samples of different lengths with padding (same shard, one prefill batch).
+    assert len({len(ds[i]["input_ids"]) for i in range(4)}) > 1
+    for i in range(len(ds)):
+        item = ds[i]
+        ids = item["input_ids"][None]
+        with torch.no_grad():
+            hs = tiny_target.model(input_ids=ids, output_hidden_states=True).hidden_states
+        want = torch.cat([hs[l + 1][0] for l in ds.layer_ids], dim=-1)
+        assert item["features"].dtype == torch.bfloat16
+        assert item["features"].shape == want.shape
+        torch.testing.assert_close(item["features"].float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_replies_equal_unbatched_greedy_generation(tiny_teacher, tiny_target):
+    """Left-padded batched decoding must not change what the target says."""
+    ds = TeacherDataset(tiny_teacher)
+    for i in range(len(ds)):
+        ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"]
+        start = int(mask.nonzero()[0])
+        end = start
+        while end < len(mask) and mask[end]:
+            end += 1
+        out = tiny_target.model.generate(input_ids=ids[None, :start], max_new_tokens=end - start, do_sample=False,
+                                         min_new_tokens=end - start)
+        assert out[0, start:].tolist() == ids[start:end].tolist()
+
+
+def test_loss_mask_covers_exactly_the_replies(tiny_teacher, tiny_target):
+    tok = tiny_target.tokenizer
+    ds = TeacherDataset(tiny_teacher)
+    cfg = make_config()
+    two_turns = 0
+    for i in range(len(ds)):
+        ids, mask = ds[i]["input_ids"].tolist(), ds[i]["loss_mask"].tolist()
+        # Runs of masked tokens are the replies; everything else is template + user text.
+        runs, k = [], 0
+        while k < len(mask):
+            if mask[k]:
+                j = k
+                while j < len(mask) and mask[j]:
+                    j += 1
+                runs.append((k, j))
+                k = j
+            else:
+                k += 1
+        assert mask[-1] == 1, "a sample ends with the last generated reply"
+        first_prompt = tok.apply_chat_template(
+            [m for m in _conversation(ds.ids[i]) if m["role"] == "user"][:1], add_generation_prompt=True,
+            tokenize=True, return_dict=False)
+        assert ids[: runs[0][0]] == list(first_prompt)
+        for a, b in runs:
+            assert b - a == cfg.teacher.max_new_tokens or ids[b - 1] in tiny_target.eos_ids
+        if len(runs) == 2:
+            two_turns += 1
+            between = tok.decode(ids[runs[0][1]: runs[1][0]])
+            assert "<|im_start|>user" in between and between.endswith("<|im_start|>assistant\n")
+    assert two_turns > 0, "the tiny experiment regenerates two turns"
+
+
+def _conversation(sample_id: str):
+    from data.sources import load_conversations
+
+    cfg = make_config()
+    convs = load_conversations("sharegpt", limit=cfg.data.num_samples, max_prompt_tokens=None, log=lambda s: None)
+    return next(c for c in convs if c["id"] == sample_id)["messages"]
+
+
+def test_chat_segments_match_the_template(tiny_target):
+    tok = tiny_target.tokenizer
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "more"}]
+    segs = chat_segments(tok, msgs, max_turns=2)
+    assert len(segs) == 2
+    assert segs[0] == list(tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
+    assert tok.decode(segs[1]).startswith("<|im_end|>\n<|im_start|>user\nmore")
+    assert len(chat_segments(tok, msgs, max_turns=1)) == 1
+
+
+def _dataset_content(folder):
+    shards = sorted(folder.glob("shard-*.safetensors"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    return [load_file(str(s)) for s in shards], manifest["shards"], [s.name for s in shards]
+
+
+def test_resume_after_crash_gives_identical_dataset(tiny_teacher, tmp_path, monkeypatch):
+    cfg = make_config()
+    out = tmp_path / "teacher"
+    real_write = teacher_mod.write_shard
+    calls = {"n": 0}
+
+    def crash_after_first(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            # die half-way through the second shard: a stray temporary file is left behind
+            (out / "shard-00001.safetensors.tmp").write_bytes(b"partial")
+            raise KeyboardInterrupt("simulated kill")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(teacher_mod, "write_shard", crash_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        run_teacher(cfg, out)
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(DatasetError, match="manifest.json missing"):
+        TeacherDataset(out)
+    monkeypatch.setattr(teacher_mod, "write_shard", real_write)
+    run_teacher(cfg, out)
+
+    got, got_records, got_names = _dataset_content(out)
+    want, want_records, want_names = _dataset_content(tiny_teacher)
+    assert got_names == want_names and got_records == want_records
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in g:
+            assert torch.equal(g[k], w[k]), k
+
+
+def test_complete_dataset_is_skipped_and_other_config_refused(tiny_teacher, tmp_path):
+    out = tmp_path / "teacher"
+    shutil.copytree(tiny_teacher, out)
+    before = (out / "manifest.json").stat().st_mtime_ns
+    run_teacher(make_config(), out)  # same config: nothing to do
+    assert (out / "manifest.json").stat().st_mtime_ns == before
+    with pytest.raises(DatasetError, match="different config"):
+        run_teacher(make_config("teacher.max_new_tokens=5"), out)
+
+
+def test_corrupt_or_truncated_shard_is_named(tiny_teacher, tmp_path):
+    out = tmp_path / "teacher"
+    shutil.copytree(tiny_teacher, out)
+    shard = out / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match="shard-00001.safetensors"):
+        TeacherDataset(out)
+    shard.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(DatasetError, match="shard-00001.safetensors"):
+        TeacherDataset(out)
+
+
+def test_dataset_reads_lazily_and_as_hf_dataset(tiny_teacher):
+    ds = TeacherDataset(tiny_teacher)
+    assert len(ds) == 8 and ds.num_tokens == sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
+    item = ds[3]
+    assert item["topk_ids"].shape == (len(item["input_ids"]), 4)
+    # top-k row t is the target's distribution that predicted token t: on a reply the target's greedy token is top-1
+    reply = item["loss_mask"].nonzero().squeeze(-1)
+    assert torch.equal(item["topk_ids"][reply, 0].long(), item["input_ids"][reply])
+    hf = next(iter(ds.as_hf_dataset()))
+    assert hf["id"] == ds.ids[0] and len(hf["input_ids"]) == len(ds[0]["input_ids"])
+
+
+def test_layer_id_out_of_range_fails_and_writes_nothing(tmp_path):
+    out = tmp_path / "teacher"
+    with pytest.raises(TargetError, match=r"layer_ids \[99\] out of range.*6 layers"):
+        run_teacher(make_config("teacher.layer_ids=[1,99]"), out)
+    assert not out.exists()
+
+
+def test_empty_dataset_fails_and_writes_nothing(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"prompt": ""}\n')
+    out = tmp_path / "teacher"
+    with pytest.raises(DataSourceError, match="no conversations"):
+        run_teacher(make_config("data=file", f"data.path={empty}"), out)
+    assert not out.exists()
+
+
+def test_wrong_config_key_fails_at_compose():
+    with pytest.raises(ConfigCompositionException, match="max_new_tokenz"):
+        make_config("teacher.max_new_tokenz=3")
+    with pytest.raises(ConfigCompositionException, match="max_new_tokens"):
+        make_config("teacher.max_new_tokens=lots")
+
+
+def test_cli_wrong_key_is_one_clear_line_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from conf.entrypoints import teacher; teacher()", "experiment=tiny",
+         "teacher.max_new_tokenz=3", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "max_new_tokenz" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run_dir.exists()
