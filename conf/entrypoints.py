@@ -23,8 +23,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from data.shards import DatasetError
     from data.sources import DataSourceError
     from models.target import TargetError
+    from train.loop import TrainError
 
-    return (DatasetError, DataSourceError, TargetError)
+    return (DatasetError, DataSourceError, TargetError, TrainError)
 
 
 def _run_dir() -> Path:
@@ -51,8 +52,9 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str]) -> dict[str, P
     """Run the named stages in order; each skips itself when its output exists for the same config."""
     from conf.stages import stage_dir
     from data.teacher import run_teacher
+    from train.loop import run_train
 
-    runners = {"teacher": run_teacher}
+    runners = {"teacher": run_teacher, "train": run_train}
     outputs = {}
     for stage in stages:
         if stage not in runners:

@@ -67,12 +67,12 @@ class TeacherConfig:
     max_turns: int = 1  # assistant turns regenerated per conversation, in order
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    batch_size: int = 32
-    capture_batch_tokens: int = 8192  # token budget of one feature-capture prefill batch
+    batch_size: int = 32  # most rows decoded together
+    prefill_batch_tokens: int = 4096  # rows x longest prompt of a generation batch (length bucketing)
+    capture_batch_tokens: int = 8192  # rows x longest sequence of a feature-capture prefill batch
     shard_size: int = 64  # samples per shard
     feature_dtype: str = "bfloat16"
     topk_logprobs: int = 0  # >0: also store the target's top-k log-probs per position (distillation)
-    num_shards_per_rank: Optional[int] = None  # unused hook for multi-process sharding (see README)
 
 
 @dataclass
@@ -91,26 +91,29 @@ class DrafterConfig:
 
 @dataclass
 class TrainerConfig:
-    """The one training loop (train/)."""
+    """The one training loop (train/loop.py); `component` picks what it trains."""
 
     component: str = "drafter"
     out_dir: str = "train"
+    data_dir: Optional[str] = None  # teacher dataset; None: the teacher stage's output in this run directory
     steps: int = 100
     lr: float = 6e-4
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    grad_accum: int = 1
-    batch_sequences: int = 8
+    batch_sequences: int = 8  # global batch (all processes, all micro-batches) of sequences per optimizer step
+    grad_accum: int = 1  # micro-batches per process per step
     anchors_per_sequence: int = 48
     loss: str = "decay"  # decay | dpace | kl
-    gamma: Optional[float] = None  # None: from the block size
+    gamma: Optional[float] = None  # decay constant; None: from the block size (7 for 16, 5 for 10, 4 for 8)
     dpace_alpha: float = 0.5
-    draft_vocab_size: Optional[int] = None  # None: full vocabulary
-    mixed_precision: str = "no"
-    online: bool = False
+    draft_vocab_size: Optional[int] = None  # None: full vocabulary (what engines expect)
+    heldout_samples: int = 16  # teacher sequences kept out of training for held-out metrics
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    online: bool = False  # features from the target in the loop instead of the stored teacher features
     resume: bool = False
     save_every: int = 50
+    keep_checkpoints: int = 2
     eval_every: int = 50
     log_every: int = 10
 

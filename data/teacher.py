@@ -58,6 +58,19 @@ def chat_segments(tokenizer, messages: list[dict], max_turns: int) -> list[list[
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in pieces]
 
 
+def budget_batches(samples: list[dict], max_rows: int, max_tokens: int) -> list[list[dict]]:
+    """Consecutive batches of length-sorted samples with at most max_rows rows and rows x longest <= max_tokens
+    (one row always fits): long prompts go in small batches, so padding never dominates a prefill."""
+    batches: list[list[dict]] = []
+    for s in samples:
+        width = len(s["input_ids"])
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * width <= max_tokens:
+            batches[-1].append(s)
+        else:
+            batches.append([s])
+    return batches
+
+
 def sample_seed(seed: int, sample_id: str, turn: int) -> int:
     return int(hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).hexdigest()[:15], 16)
 
@@ -86,8 +99,7 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, on
             s["loss_mask"] += [0] * len(seg)
             todo.append(s)
         todo.sort(key=lambda s: len(s["input_ids"]))  # length bucketing: little padding per batch
-        for b in range(0, len(todo), t.batch_size):
-            batch = todo[b: b + t.batch_size]
+        for batch in budget_batches(todo, t.batch_size, t.prefill_batch_tokens):
             gens = None
             if t.temperature > 0:
                 gens = [torch.Generator().manual_seed(sample_seed(seed, s["id"], turn)) for s in batch]
@@ -105,23 +117,12 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, on
 
 def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg: DictConfig) -> None:
     """Capture features for every sample in prefill batches bounded by a token budget (sorted by length)."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["input_ids"]))
-    batch: list[int] = []
-
-    def flush():
-        outs = capture(target.model, [samples[i]["input_ids"] for i in batch], layer_ids,
+    ordered = sorted(samples, key=lambda s: len(s["input_ids"]))
+    for batch in budget_batches(ordered, len(ordered), cfg.teacher.capture_batch_tokens):
+        outs = capture(target.model, [s["input_ids"] for s in batch], layer_ids,
                        pad_id=target.tokenizer.pad_token_id, topk=cfg.teacher.topk_logprobs)
-        for i, o in zip(batch, outs):
-            samples[i].update(o)
-        batch.clear()
-
-    for i in order:
-        width = len(samples[i]["input_ids"])
-        if batch and (len(batch) + 1) * width > cfg.teacher.capture_batch_tokens:
-            flush()
-        batch.append(i)
-    if batch:
-        flush()
+        for s, o in zip(batch, outs):
+            s.update(o)
 
 
 # -- the stage -------------------------------------------------------------------------------------------------

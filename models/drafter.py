@@ -344,6 +344,8 @@ class DFlashDrafter(nn.Module):
             x = layer(x, context_k, context_v, cos, sin, mask)
         return self.norm(x).view(Bc, Nb, B, -1)
 
+    forward = forward_packed  # the training path; DDP/FSDP wrappers call forward
+
     def new_cache(self) -> DrafterCache:
         return DrafterCache(len(self.layers))
 

@@ -1,0 +1,233 @@
+"""The drafter component: the DFlash block drafter trained on packed multi-anchor blocks.
+
+A component gives the one training loop (train/loop.py) its model, its batches and its loss, plus a held-out
+evaluation and an export. Later components (selector, jump heads, Weaver) bring their own in the same shape.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from data.blocks import pack_blocks
+from data.shards import DatasetError, TeacherDataset
+from eval.metrics import conditional_acceptance, recall_at_k, simulated_tau
+from models.drafter import DFlashDrafter, DFlashDrafterConfig
+from models.generation import capture
+from models.target import Target, load_target
+from train.losses import block_loss, default_gamma, effective_valid, normaliser
+
+log = logging.getLogger(__name__)
+
+
+def step_seed(*parts) -> int:
+    """A seed derived from (seed, step, ...): the batch of a step never depends on how the run was interrupted."""
+    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+
+
+def choose_mask_token(tokenizer, vocab_size: int) -> int:
+    """A token id the target never emits as a reply token.
+
+    If the embedding has rows past the tokenizer (Qwen3: 151936 rows, 151669 tokens), the first such row: no text
+    maps to it. Otherwise the highest-id special token that is not BOS/EOS/PAD and not used by the chat template
+    (SmolLM2: <empty_output>, id 16). The drafter only ever sees its (frozen) embedding as a placeholder input.
+    """
+    if vocab_size > len(tokenizer):
+        return len(tokenizer)
+    template = tokenizer.chat_template or ""
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    special = [i for i in tokenizer.all_special_ids if i not in reserved]
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special += [i for i, t in added.items() if getattr(t, "special", False) and i not in reserved]
+    usable = sorted({i for i in special if tokenizer.convert_ids_to_tokens(i) not in template})
+    if not usable:
+        raise ValueError("no unused special token to serve as the MASK token; set drafter.mask_token_id")
+    return usable[-1]
+
+
+def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFlashDrafterConfig:
+    """The drafter's shape: conf/drafter values, the rest from the target (width, heads, rope, vocab)."""
+    d, tc = cfg.drafter, target.model.config
+    head_dim = d.head_dim or getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    return DFlashDrafterConfig(
+        hidden_size=d.hidden_size or tc.hidden_size,
+        intermediate_size=d.intermediate_size or tc.intermediate_size,
+        num_hidden_layers=d.num_layers,
+        num_attention_heads=d.num_attention_heads or tc.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads or tc.num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+        max_position_embeddings=tc.max_position_embeddings,
+        vocab_size=tc.vocab_size,
+        block_size=d.block_size,
+        target_hidden_size=tc.hidden_size,
+        target_layer_ids=list(layer_ids),
+        num_target_layers=tc.num_hidden_layers,
+        mask_token_id=d.mask_token_id if d.mask_token_id is not None else choose_mask_token(
+            target.tokenizer, tc.vocab_size),
+    )
+
+
+def split_heldout(ids: list[str], num_heldout: int) -> tuple[list[int], list[int]]:
+    """Deterministic train / held-out indices by id hash: the same samples are held out on every run."""
+    order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())
+    held = sorted(order[:num_heldout])
+    held_set = set(held)
+    return [i for i in range(len(ids)) if i not in held_set], held
+
+
+class DrafterComponent:
+    """Model, batches, loss, held-out metrics and export of the DFlash block drafter."""
+
+    name = "drafter"
+
+    def __init__(self, cfg: DictConfig, data_dir: Path, device: torch.device):
+        self.cfg, t = cfg, cfg.trainer
+        self.data = TeacherDataset(data_dir)
+        self.target = load_target(cfg.target, cfg.cache_dir)
+        tc = self.target.model.config
+        meta = self.data.manifest["target"]
+        if meta["hidden_size"] != tc.hidden_size or max(self.data.layer_ids) >= tc.num_hidden_layers:
+            raise DatasetError(
+                f"teacher dataset {data_dir} was made for a target with hidden size {meta['hidden_size']} and "
+                f"{meta['num_layers']} layers (taps {self.data.layer_ids}); the configured target has hidden size "
+                f"{tc.hidden_size} and {tc.num_hidden_layers} layers: regenerate the teacher data for this target")
+        if t.loss == "kl" and not self.data.manifest.get("topk_logprobs"):
+            raise DatasetError("trainer.loss=kl needs teacher top-k log-probs: rerun the teacher with "
+                               "teacher.topk_logprobs=20 (or another k > 0)")
+        if len(self.data) <= t.heldout_samples:
+            raise DatasetError(f"teacher dataset has {len(self.data)} samples, not more than "
+                               f"trainer.heldout_samples={t.heldout_samples}: generate more teacher data")
+        self.train_idx, self.heldout_idx = split_heldout(self.data.ids, t.heldout_samples)
+        self.dconf = drafter_config(cfg, self.target, self.data.layer_ids)
+        self.block_size = self.dconf.block_size
+        self.gamma = t.gamma or default_gamma(self.block_size)
+        self.device = device
+        self.target.model.to(device)
+        self.model = DFlashDrafter(self.dconf, self.target.model.get_input_embeddings(),
+                                   self.target.model.get_output_embeddings())
+        if t.draft_vocab_size:
+            self.model.set_draft_vocab(self.frequent_tokens(t.draft_vocab_size))
+        self.model.to(device)
+        vocab = self.dconf.vocab_size
+        # target id -> logit column (-1: outside the draft vocabulary)
+        self.to_column = torch.arange(vocab, device=device)
+        if self.model.draft_to_target is not None:
+            self.to_column = torch.full((vocab,), -1, dtype=torch.long, device=device)
+            self.to_column[self.model.draft_to_target] = torch.arange(len(self.model.draft_to_target), device=device)
+        log.info("drafter: %d layers, hidden %d, block %d, taps %s, mask token %d, %s vocabulary; %d train / %d "
+                 "held-out sequences, %.1fM trainable parameters", self.dconf.num_hidden_layers,
+                 self.dconf.hidden_size, self.block_size, self.dconf.target_layer_ids, self.dconf.mask_token_id,
+                 t.draft_vocab_size or "full", len(self.train_idx), len(self.heldout_idx),
+                 sum(p.numel() for p in self.model.parameters()) / 1e6)
+
+    def frequent_tokens(self, n: int) -> torch.Tensor:
+        """The n most frequent reply tokens of the training split (ties by id), sorted by id."""
+        counts: Counter = Counter()
+        for i in self.train_idx:
+            item = self.data[i]
+            counts.update(item["input_ids"][item["loss_mask"]].tolist())
+        top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+        return torch.tensor(sorted(t for t, _ in top))
+
+    # -- data ------------------------------------------------------------------------------------------------
+    def step_items(self, step: int) -> list[int]:
+        """Dataset indices of the global batch of `step`: consecutive slices of per-epoch permutations."""
+        n, bs = len(self.train_idx), self.cfg.trainer.batch_sequences
+        out = []
+        for pos in range(step * bs, (step + 1) * bs):
+            epoch, j = divmod(pos, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(self.cfg.seed, "epoch", epoch)))
+            out.append(self.train_idx[int(perm[j])])
+        return out
+
+    def batch(self, indices: list[int], step: int | None, slot0: int = 0) -> dict:
+        """Pack sequences into blocks. Training (step given): anchors drawn per (step, slot in the global batch), so
+        any split of the global batch over processes and micro-batches draws the same anchors. Evaluation (step
+        None): every anchor."""
+        items = [self.data[i] for i in indices]
+        if self.cfg.trainer.online:  # features from the target now, not from disk
+            outs = capture(self.target.model, [it["input_ids"].tolist() for it in items], self.data.layer_ids,
+                           pad_id=self.target.tokenizer.pad_token_id)
+            for it, o in zip(items, outs):
+                it["features"] = o["features"].cpu()
+        gens = per_seq = None
+        if step is not None:
+            per_seq = self.cfg.trainer.anchors_per_sequence
+            gens = [torch.Generator().manual_seed(step_seed(self.cfg.seed, "anchors", step, slot0 + s))
+                    for s in range(len(items))]
+        return pack_blocks(items, block_size=self.block_size, mask_token_id=self.dconf.mask_token_id,
+                           anchors_per_sequence=per_seq, generators=gens)
+
+    def normaliser(self, batch: dict) -> float:
+        """The loss normaliser of a batch, known before the forward (so it can be summed across processes)."""
+        keep = batch["anchor_valid"]
+        labels = self.to_column[batch["labels"][keep].to(self.device)]
+        teacher_ids = self.to_column[batch["topk_ids"][keep].to(self.device)] if "topk_ids" in batch else None
+        kind = self.cfg.trainer.loss
+        valid = effective_valid(kind, labels, batch["label_valid"][keep].to(self.device), teacher_ids)
+        return normaliser(kind, valid, self.gamma)
+
+    # -- loss ------------------------------------------------------------------------------------------------
+    def forward_logits(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits (N, B-1, V), labels in logit columns (N, B-1), valid (N, B-1)) over the real blocks."""
+        dev = self.device
+        b = {k: v.to(dev) for k, v in batch.items()}
+        hidden = model(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], b["anchor_valid"])
+        keep = b["anchor_valid"]
+        drafter = getattr(model, "module", model)
+        logits = drafter.logits(hidden[keep][:, 1:])  # (N, B-1, V)
+        labels = self.to_column[b["labels"][keep]]
+        return logits, labels, b["label_valid"][keep]
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        logits, labels, valid = self.forward_logits(model, batch)
+        t = self.cfg.trainer
+        extra = {}
+        if t.loss == "kl":
+            keep = batch["anchor_valid"].to(self.device)
+            extra = {"teacher_ids": self.to_column[batch["topk_ids"].to(self.device)[keep]],
+                     "teacher_logprobs": batch["topk_logprobs"].to(self.device)[keep]}
+        loss_sum = block_loss(logits, labels, valid, kind=t.loss, gamma=self.gamma, alpha=t.dpace_alpha, **extra)
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == labels) & (labels >= 0)
+        return loss_sum, {"correct": correct, "valid": valid}
+
+    # -- evaluation ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model, indices: list[int] | None = None, ks=(1, 4, 16)) -> dict:
+        """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K, simulated tau."""
+        drafter = getattr(model, "module", model)
+        was_training = drafter.training
+        drafter.eval()
+        tops, labels, valids = [], [], []
+        for i in indices if indices is not None else self.heldout_idx:
+            logits, lab, valid = self.forward_logits(drafter, self.batch([i], None))
+            tops.append(logits.topk(max(ks), dim=-1).indices)
+            labels.append(lab)
+            valids.append(valid)  # a label outside the draft vocabulary (-1) stays valid: it counts as a miss
+        drafter.train(was_training)
+        top, label, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
+        a, counts = conditional_acceptance(top[..., 0] == label, valid)
+        rec = recall_at_k(top, label, valid, list(ks))
+        return {"a_k": a, "blocks_at_k": counts, "tau_sim": simulated_tau(a),
+                "recall": {str(k): v for k, v in rec.items()}, "blocks": int(top.shape[0])}
+
+    # -- export ----------------------------------------------------------------------------------------------
+    def export(self, model, folder: Path) -> Path:
+        """The engine format of ALGORITHMS.md section 9, plus where the target and teacher data came from."""
+        drafter = getattr(model, "module", model)
+        drafter.save_pretrained(str(folder), extra_config={"dflash_pipeline": {
+            "target": self.target.ref,
+            "target_layer_ids": list(self.dconf.target_layer_ids),
+            "teacher_config_hash": self.data.manifest["config_hash"],
+            "gamma": self.gamma,
+            "loss": self.cfg.trainer.loss,
+        }})
+        return folder

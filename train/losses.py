@@ -1,0 +1,77 @@
+"""Block losses of ALGORITHMS.md section 2. Every loss returns a SUM and its normaliser separately, so the training
+loop can normalise by the global count across processes and micro-batches (the same gradient on 1 or N processes).
+
+Shapes: N blocks, P = B - 1 drafted positions, V (draft) vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def default_gamma(block_size: int) -> float:
+    """The DFlash paper's decay constant: 7 for B=16, 5 for B=10, 4 for B=8 (interpolated in between)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 0.45 * block_size))
+
+
+def decay_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k = 1..P: early positions matter most, every later one needs them accepted."""
+    k = torch.arange(num_positions, device=device, dtype=torch.float32)
+    return torch.exp(-k / gamma)
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE: q_k = exp(-CE_k), s_k = (1-a) q_k + a, P_k = prod_{j<=k} s_j, w_k = sum_{j>=k} P_j mask_j; detached.
+
+    ce, valid: (N, P). A position is weighted by how likely the path to it (and past it) survives.
+    """
+    with torch.no_grad():
+        s = (1 - alpha) * torch.exp(-ce.float()) + alpha
+        s = torch.where(valid, s, torch.ones_like(s))
+        p = torch.cumprod(s, dim=-1) * valid
+        return p.flip(-1).cumsum(-1).flip(-1)
+
+
+def effective_valid(kind: str, labels: torch.Tensor, valid: torch.Tensor,
+                    teacher_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions that carry loss: a label inside the (draft) vocabulary for CE, some top-k id inside it for KL."""
+    if kind == "kl":
+        return valid if teacher_ids is None else valid & (teacher_ids >= 0).any(-1)
+    return valid & (labels >= 0)
+
+
+def normaliser(kind: str, valid: torch.Tensor, gamma: float) -> float:
+    """What a batch's loss sum is divided by, known before the forward so it can be summed over processes:
+    the weight sum for decay/kl (a weighted mean), the number of blocks for D-PACE (as the method states)."""
+    if kind == "dpace":
+        return float(valid.shape[0])
+    return float((decay_weights(valid.shape[1], gamma, valid.device) * valid).sum())
+
+
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, kind: str, gamma: float,
+               alpha: float = 0.5, teacher_ids: torch.Tensor | None = None,
+               teacher_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted loss SUM over N blocks (divide by `normaliser`).
+
+    logits (N, P, V); labels (N, P) in logit-column space (-1 where the label is outside the draft vocabulary);
+    valid (N, P) bool. kind: "decay" (CE with exponential position weights), "dpace" (CE with D-PACE weights),
+    "kl" (KL(target || draft) on the target's stored top-k, renormalised, with decay weights; needs
+    teacher_ids/teacher_logprobs (N, P, k) in logit-column space, -1 for ids outside the draft vocabulary).
+    """
+    if kind not in ("decay", "dpace", "kl"):
+        raise ValueError(f"unknown trainer.loss {kind!r}; use decay, dpace or kl")
+    if kind == "kl" and (teacher_ids is None or teacher_logprobs is None):
+        raise ValueError("trainer.loss=kl needs the target's top-k log-probs: set teacher.topk_logprobs > 0")
+    valid = effective_valid(kind, labels, valid, teacher_ids)
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, P, V)
+    if kind == "kl":
+        keep = teacher_ids >= 0
+        p = torch.softmax(teacher_logprobs.float().masked_fill(~keep, -math.inf), dim=-1).nan_to_num(0.0)
+        q = logp.gather(-1, teacher_ids.clamp(min=0))  # (N, P, k)
+        kl = (p * (torch.log(p.clamp(min=1e-20)) - q) * keep).sum(-1)
+        return (kl * decay_weights(labels.shape[1], gamma, logits.device) * valid).sum()
+    ce = -logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)  # (N, P)
+    if kind == "decay":
+        return (ce * decay_weights(labels.shape[1], gamma, logits.device) * valid).sum()
+    return (ce * dpace_weights(ce, valid, alpha) * valid).sum()
