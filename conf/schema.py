@@ -120,14 +120,23 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation (eval/)."""
+    """Evaluation (eval/stage.py): offline (teacher-forced) and online (real verification) acceptance, speed."""
 
     out_dir: str = "eval"
+    # mtbench (first turns) | humaneval | heldout (held-out ShareGPT prompts) | a .json/.jsonl/.parquet path | hf:<id>
     datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "heldout"])
-    num_prompts: int = 8
+    num_prompts: int = 8  # per dataset
     max_new_tokens: int = 64
-    block_size: Optional[int] = None  # None: the trained block size
-    temperature: float = 0.0
+    max_prompt_tokens: Optional[int] = None  # None: whatever fits the target's context with max_new_tokens
+    block_size: Optional[int] = None  # None: the trained block size; may be smaller, never larger
+    temperature: float = 0.0  # 0: greedy (outputs must equal autoregressive decoding); >0: speculative sampling
+    seed: int = 0  # sampling generators (temperature > 0)
+    drafter_dir: Optional[str] = None  # an exported drafter folder; None: <run dir>/<trainer.out_dir>/export
+    methods: list[str] = field(default_factory=lambda: ["chain"])  # eval/decode.py METHODS
+    recall_k: list[int] = field(default_factory=lambda: [1, 4, 16])  # offline Recall@K
+    timing_repeats: int = 1  # A B B A passes (AR, spec, spec, AR) per prompt, after one warm-up per dataset
+    strict_exact: bool = True  # greedy: raise on any speculative/autoregressive mismatch (False: record it)
+    num_threads: Optional[int] = None  # torch intra-op threads while evaluating; None: leave torch's setting
 
 
 @dataclass

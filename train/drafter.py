@@ -128,13 +128,19 @@ class DrafterComponent:
                  sum(p.numel() for p in self.model.parameters()) / 1e6)
 
     def frequent_tokens(self, n: int) -> torch.Tensor:
-        """The n most frequent reply tokens of the training split (ties by id), sorted by id."""
-        counts: Counter = Counter()
+        """The draft vocabulary: n target ids, sorted. The most frequent reply tokens of the training split first,
+        then prompt tokens, then the lowest unused ids, so the head always has exactly min(n, V) rows."""
+        replies: Counter = Counter()
+        prompts: Counter = Counter()
         for i in self.train_idx:
             item = self.data[i]
-            counts.update(item["input_ids"][item["loss_mask"]].tolist())
-        top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
-        return torch.tensor(sorted(t for t, _ in top))
+            replies.update(item["input_ids"][item["loss_mask"]].tolist())
+            prompts.update(item["input_ids"][~item["loss_mask"]].tolist())
+        ranked = [t for t, _ in sorted(replies.items(), key=lambda kv: (-kv[1], kv[0]))]
+        ranked += [t for t, _ in sorted(prompts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in replies]
+        seen = set(ranked)
+        ranked += [t for t in range(self.dconf.vocab_size) if t not in seen]
+        return torch.tensor(sorted(ranked[:n]))
 
     # -- data ------------------------------------------------------------------------------------------------
     def step_items(self, step: int) -> list[int]:
@@ -209,7 +215,7 @@ class DrafterComponent:
         tops, labels, valids = [], [], []
         for i in indices if indices is not None else self.heldout_idx:
             logits, lab, valid = self.forward_logits(drafter, self.batch([i], None))
-            tops.append(logits.topk(max(ks), dim=-1).indices)
+            tops.append(logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices)
             labels.append(lab)
             valids.append(valid)  # a label outside the draft vocabulary (-1) stays valid: it counts as a miss
         drafter.train(was_training)

@@ -64,7 +64,9 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     if done.is_file() and json.loads(done.read_text())["config_hash"] != digest:
         raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name")
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision)
+    # step_scheduler_with_optimizer=False: our schedule counts optimizer steps, whatever the number of processes
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,
+                              step_scheduler_with_optimizer=False)
     world, rank = accelerator.num_processes, accelerator.process_index
     if t.batch_sequences % (world * t.grad_accum):
         raise TrainError(f"trainer.batch_sequences={t.batch_sequences} must be divisible by processes x grad_accum "

@@ -1,0 +1,275 @@
+"""Decoding loops at batch size 1: plain autoregressive decoding and speculative decoding with block verification.
+
+Speculative round (ALGORITHMS.md section 1), with L = the number of committed tokens before the anchor:
+  propose   a method drafts B-1 tokens for positions L+1 .. L+B-1 from the anchor at L (chain: the DFlash drafter,
+            fed the tapped target features of the tokens committed since the last round);
+  verify    the target runs [anchor, drafts] at positions L .. L+B-1 in ONE forward on its KV cache;
+  accept    greedy: the longest prefix of drafts equal to the target's argmax; sampling: the standard
+            accept/reject rule (accept x with prob min(1, p(x)/q(x)), else resample from norm(max(0, p - q)));
+  commit    anchor + accepted drafts become context (their features come from this verify forward); the target's
+            token after the accepted prefix is the next anchor; the target KV cache is cropped to the new L.
+
+Methods are pluggable: anything with `layer_ids`, `max_block_size`, `start()` and `propose(state, ...)` in METHODS.
+Later selectors/trees add their own entries (a tree method also needs its own verify; not built here).
+
+Timings use time.perf_counter after a device synchronize, so GPU runs time real work, not kernel launches.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from models.drafter import DFlashDrafter
+
+
+# -- small helpers -----------------------------------------------------------------------------------------------
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` tokens of the target's KV cache. (transformers 5: crop(-n) REMOVES n tokens.)"""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def target_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, layer_ids: list[int],
+                   last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward of ids (1, T) at positions (1, T) on `cache` (extended in place).
+
+    Returns logits (T, V) (only the last row with last_only) and tapped features (T, n*Ht): the concatenation of
+    hidden_states[i + 1] for i in layer_ids, as the teacher's capture() stores them.
+    """
+    out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True,
+                logits_to_keep=1 if last_only else 0)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (1, T, n*Ht)
+    return out.logits[0], feats[0]
+
+
+# -- autoregressive baseline ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def autoregressive(target, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> tuple[list[int], dict]:
+    """Plain KV-cache decoding, one token per target forward; stops after an EOS id (kept) or max_new_tokens.
+
+    target: anything with .model (a causal LM) and .eos_ids. Returns (tokens, timings) with timings prefill_s,
+    decode_s, total_s, target_forwards.
+    """
+    model, eos = target.model, target.eos_ids
+    device = _device(model)
+    tokens: list[int] = []
+    if max_new_tokens <= 0:
+        return tokens, {"prefill_s": 0.0, "decode_s": 0.0, "total_s": 0.0, "target_forwards": 0}
+    _sync(device)
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    ids = torch.tensor([prompt_ids], device=device)
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    forwards = 1
+    pos = len(prompt_ids)
+    first = True
+    while True:
+        logits = out.logits[0, -1]
+        tok = int(logits.argmax()) if temperature <= 0 else _sample(_probs(logits, temperature), generator)
+        tokens.append(tok)
+        if first:
+            _sync(device)
+            t1, first = time.perf_counter(), False
+        if tok in eos or len(tokens) >= max_new_tokens:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=device), position_ids=torch.tensor([[pos]], device=device),
+                    cache=cache, use_cache=True)
+        forwards += 1
+        pos += 1
+    _sync(device)
+    t2 = time.perf_counter()
+    return tokens, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0, "target_forwards": forwards}
+
+
+# -- methods: who proposes the drafts ----------------------------------------------------------------------------
+@dataclass
+class RoundState:
+    """What a method sees at the start of a round."""
+
+    new_features: torch.Tensor  # (1, Tn, n*Ht) tapped target features of the tokens committed since the last round
+    new_positions: torch.Tensor  # (Tn,) their positions
+    anchor: int  # the token at anchor_pos (committed by the target, features not yet known)
+    anchor_pos: int  # L: committed tokens before the anchor
+    output: list[int]  # generated so far, ending with the anchor
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # (B-1,) target token ids for positions L+1 .. L+B-1
+    q: torch.Tensor | None = None  # (B-1, V) the distributions the tokens were sampled from (sampling only)
+
+
+class ChainMethod:
+    """The DFlash block drafter: one forward drafts the whole block (section 1).
+
+    The drafter's context K/V live in a DrafterCache across rounds; only committed tokens ever enter it, so it
+    never needs a rollback. The block itself is not cached.
+    """
+
+    name = "chain"
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.max_block_size = drafter.config.block_size
+        self.cache = None
+
+    def start(self) -> None:
+        self.cache = self.drafter.new_cache()
+
+    @torch.no_grad()
+    def propose(self, state: RoundState, block_size: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> Proposal:
+        d = self.drafter
+        device = d.norm.weight.device
+        block = torch.full((1, block_size), d.config.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = state.anchor
+        positions = torch.arange(state.anchor_pos, state.anchor_pos + block_size, device=device)
+        hidden = d.forward_step(state.new_features, state.new_positions, block, positions, self.cache)  # (1, B, H)
+        logits = d.logits(hidden[0, 1:]).float()  # (B-1, V or Vd)
+        if temperature <= 0:
+            return Proposal(d.to_target_ids(logits.argmax(-1)))
+        q = _probs(logits, temperature)
+        idx = torch.multinomial(q, 1, generator=generator).squeeze(-1)  # drafts drawn independently per position
+        if d.draft_to_target is not None:  # spread the draft vocabulary's distribution over the target vocabulary
+            full = q.new_zeros(q.shape[0], d.config.vocab_size)
+            q = full.index_copy_(1, d.draft_to_target, q)
+        return Proposal(d.to_target_ids(idx), q)
+
+
+METHODS = {"chain": ChainMethod}
+
+
+def make_method(name: str, drafter: DFlashDrafter):
+    if name not in METHODS:
+        raise ValueError(f"unknown eval method {name!r}; available: {', '.join(sorted(METHODS))}")
+    return METHODS[name](drafter)
+
+
+# -- speculative decoding ----------------------------------------------------------------------------------------
+@dataclass
+class SpecResult:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verify round, 0 .. B-1 (before truncation)
+    draft_s: list[float] = field(default_factory=list)  # per round: propose
+    verify_s: list[float] = field(default_factory=list)  # per round: target forward, acceptance, cache crop
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    target_forwards: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted + 1 over verify rounds (section 3)."""
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 0.0
+
+
+def _accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+    """drafts (B-1,), logits (B, V) -> (accepted, next anchor): matching prefix with the target's argmax."""
+    best = logits.argmax(-1)  # (B,)
+    n = int((drafts == best[:-1]).long().cumprod(0).sum())
+    return n, int(best[n])
+
+
+def _accept_sampling(drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor, temperature: float,
+                     generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. / Chen et al.): the output is distributed as the target's samples."""
+    p = _probs(logits, temperature)  # (B, V)
+    for k in range(drafts.shape[0]):
+        x = int(drafts[k])
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u * float(q[k, x]) < float(p[k, x]):  # u < p/q without dividing
+            continue
+        residual = (p[k] - q[k]).clamp(min=0)
+        total = float(residual.sum())
+        return k, _sample(residual / total if total > 0 else p[k], generator)
+    return drafts.shape[0], _sample(p[-1], generator)  # all accepted: the bonus from p
+
+
+@torch.no_grad()
+def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, block_size: int | None = None,
+                temperature: float = 0.0, generator: torch.Generator | None = None) -> SpecResult:
+    """Speculative decoding of one prompt. drafter: a DFlashDrafter (run as the "chain" method) or a method object.
+
+    Greedy output equals `autoregressive`'s token for token; with temperature > 0 it is distributed as the
+    target's own samples. Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
+    exactly max_new_tokens.
+    """
+    method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
+    B = block_size or method.max_block_size
+    if not 2 <= B <= method.max_block_size:
+        raise ValueError(f"block size {B} must be in 2 .. {method.max_block_size} (the trained block size)")
+    model, eos = target.model, target.eos_ids
+    device = _device(model)
+    res = SpecResult(tokens=[])
+    if max_new_tokens <= 0:
+        return res
+    _sync(device)
+    t_start = time.perf_counter()
+    method.start()
+    cache = DynamicCache()
+    L = len(prompt_ids)
+    logits, feats = target_forward(model, torch.tensor([prompt_ids], device=device),
+                                   torch.arange(L, device=device)[None], cache, method.layer_ids, last_only=True)
+    res.target_forwards = 1
+    anchor = int(logits[-1].argmax()) if temperature <= 0 else _sample(_probs(logits[-1], temperature), generator)
+    output = [anchor]
+    new_features, new_positions = feats[None], torch.arange(L, device=device)
+    _sync(device)
+    res.prefill_s = time.perf_counter() - t_start
+    done = anchor in eos or len(output) >= max_new_tokens
+    while not done:
+        t0 = time.perf_counter()
+        prop = method.propose(RoundState(new_features, new_positions, anchor, L, output), B, temperature, generator)
+        drafts = prop.tokens.to(device)
+        _sync(device)
+        t1 = time.perf_counter()
+        ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, B)
+        positions = torch.arange(L, L + B, device=device)[None]
+        logits, feats = target_forward(model, ids, positions, cache, method.layer_ids)  # (B, V), (B, n*Ht)
+        res.target_forwards += 1
+        if temperature <= 0:
+            n, next_anchor = _accept_greedy(drafts, logits)
+        else:
+            n, next_anchor = _accept_sampling(drafts, prop.q.to(device), logits, temperature, generator)
+        crop_cache(cache, L + n + 1)  # keep anchor + accepted drafts
+        _sync(device)
+        t2 = time.perf_counter()
+        res.accepted.append(n)
+        res.draft_s.append(t1 - t0)
+        res.verify_s.append(t2 - t1)
+        new = drafts[:n].tolist() + [next_anchor]
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new, done = new[: i + 1], True
+                break
+        output += new
+        if len(output) >= max_new_tokens:
+            output, done = output[:max_new_tokens], True
+        new_features, new_positions = feats[None, : n + 1], torch.arange(L, L + n + 1, device=device)
+        L, anchor = L + n + 1, next_anchor
+    res.tokens = output
+    _sync(device)
+    res.total_s = time.perf_counter() - t_start
+    return res

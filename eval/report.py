@@ -1,0 +1,151 @@
+"""What the eval stage writes: eval_results.json, results.md (tables), acceptance.png (a_k offline vs online),
+and the wandb summary (scalars, a table, a line plot per method). Files are written atomically (tmp + os.replace).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _f(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    B = results["block_size"]
+    lines = [
+        f"# Evaluation: {results['target']}, block {B} (trained {results['trained_block_size']}), "
+        f"temperature {results['temperature']}",
+        "",
+        f"Drafter: `{results['drafter_dir']}`; up to {results['max_new_tokens']} new tokens per prompt; timing on "
+        f"{results['timing']['device']} ({results['timing']['num_threads']} threads): {results['timing']['protocol']}.",
+        "",
+        "| method | dataset | prompts | tokens | tau offline | tau online | a_1 off / on | fwd/token | "
+        "draft ms/round | verify ms/round | AR tok/s | spec tok/s | speedup | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, per in results["methods"].items():
+        for ds, r in per.items():
+            lines.append(
+                f"| {m} | {ds} | {r['prompts']} | {r['output_tokens']} | {_f(r['tau_offline'])} | "
+                f"{_f(r['tau_online'])} | {_f(r['a_k_offline'][0])} / {_f(r['a_k_online'][0])} | "
+                f"{_f(r['target_forwards_per_token'])} | {_f(r['draft_ms_per_round'], 2)} | "
+                f"{_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
+                f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x | {r['exact']} |")
+    held = results["offline"].get("teacher_heldout")
+    lines += ["", "## Offline (teacher-forced) on the held-out teacher sequences", ""]
+    if held:
+        lines += [f"{held['sequences']} sequences, {held['blocks']} blocks: tau_offline {_f(held['tau_offline'])}.", ""]
+    else:
+        lines += [f"Not measured: {results.get('offline_note', 'no teacher data')}.", ""]
+    positions = " | ".join(str(k) for k in range(1, B))
+    lines += ["## Per position k", "", f"| series | {positions} |", "|---|" + "---|" * (B - 1)]
+
+    def row(name, values):
+        lines.append(f"| {name} | " + " | ".join(_f(v) for v in values) + " |")
+
+    if held:
+        row("teacher held-out a_k", held["a_k"])
+        for k, v in held["recall"].items():
+            row(f"teacher held-out Recall@{k}", v)
+    for m, per in results["methods"].items():
+        for ds, r in per.items():
+            row(f"{m} {ds} a_k offline", r["a_k_offline"])
+            row(f"{m} {ds} a_k online", r["a_k_online"])
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(results: dict, path: Path) -> None:
+    """One panel per method: a_k per position, offline (dashed) vs online (solid) per eval set, and the teacher
+    held-out offline curve (black, dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(results["methods"])
+    xs = list(range(1, results["block_size"]))
+    fig, axes = plt.subplots(1, max(1, len(methods)), figsize=(6 * max(1, len(methods)), 4), squeeze=False)
+    held = results["offline"].get("teacher_heldout")
+    for ax, m in zip(axes[0], methods):
+        for i, (ds, r) in enumerate(results["methods"][m].items()):
+            color = f"C{i}"
+            ax.plot(xs, r["a_k_online"], "-o", color=color, label=f"{ds} online (tau {r['tau_online']:.2f})")
+            ax.plot(xs, r["a_k_offline"], "--", color=color, label=f"{ds} offline (tau {r['tau_offline']:.2f})")
+        if held:
+            ax.plot(xs, held["a_k"], ":", color="black", label=f"teacher held-out (tau {held['tau_offline']:.2f})")
+        ax.set(title=f"{m}: conditional acceptance a_k", xlabel="draft position k", ylabel="a_k", ylim=(0, 1.02),
+               xticks=xs)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def loggable(results: dict) -> dict:
+    """The numeric part of the results, nested, for RunLogger.log (lists become one scalar per position)."""
+
+    def numeric(d: dict) -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, bool) or v is None or isinstance(v, str):
+                if isinstance(v, bool):
+                    out[k] = int(v)
+                continue
+            if isinstance(v, dict):
+                out[k] = numeric(v)
+            elif isinstance(v, (int, float)) or (isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)):
+                out[k] = v
+        return out
+
+    metrics = {f"offline/{ds}": numeric(r) for ds, r in results["offline"].items() if r}
+    for m, per in results["methods"].items():
+        metrics.update({f"{m}/{ds}": numeric(r) for ds, r in per.items()})
+    return metrics
+
+
+def log_wandb(logger, results: dict) -> None:
+    """A summary table and per-method line plots of a_k (offline vs online) when logging to wandb."""
+    run = getattr(logger, "wandb", None)
+    if run is None:
+        return
+    import wandb
+
+    columns = ["method", "dataset", "prompts", "output_tokens", "tau_offline", "tau_online", "speedup",
+               "tokens_per_s_ar", "tokens_per_s_spec", "target_forwards_per_token", "exact"]
+    table = wandb.Table(columns=columns)
+    for m, per in results["methods"].items():
+        for ds, r in per.items():
+            table.add_data(m, ds, *[r[c] for c in columns[2:]])
+    payload = {"eval/summary": table}
+    xs = list(range(1, results["block_size"]))
+    for m, per in results["methods"].items():
+        ys, keys = [], []
+        for ds, r in per.items():
+            ys += [r["a_k_online"], r["a_k_offline"]]
+            keys += [f"{ds} online", f"{ds} offline"]
+        held = results["offline"].get("teacher_heldout")
+        if held:
+            ys.append(held["a_k"])
+            keys.append("teacher held-out")
+        payload[f"eval/{m}_acceptance"] = wandb.plot.line_series(xs=xs, ys=ys, keys=keys, xname="draft position k",
+                                                                 title=f"{m}: a_k offline vs online")
+    run.log(payload, step=0)
+    for m, per in results["methods"].items():
+        for ds, r in per.items():
+            run.summary[f"{m}/{ds}/tau_online"] = r["tau_online"]
+            run.summary[f"{m}/{ds}/speedup"] = r["speedup"]

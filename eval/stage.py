@@ -1,0 +1,393 @@
+"""Evaluation stage (dflash-eval): the drafter's acceptance offline and with real verification, and its speed.
+
+Offline (teacher-forced, no generation; every anchor of every sequence, ALGORITHMS.md section 3):
+- `teacher_heldout`: the held-out teacher sequences of the training run (DrafterComponent.heldout_idx), reported
+  once: they come from teacher data, not from an eval set. Skipped (null) when the teacher data is absent or is not
+  the data the drafter was trained on (then the held-out split is unknown).
+- per eval set: the same metrics on [prompt + the target's own autoregressive reply] of that set's prompts. This is
+  cheap (one feature-capture prefill per prompt) and puts offline and online numbers on the SAME tokens, so the
+  gap between tau_offline and tau_online is measured, not guessed across data sets.
+Online (per method and eval set): speculative decoding vs autoregressive decoding of the same prompts. Timing
+protocol: one warm-up pair per eval set, then per prompt A B B A (AR, spec, spec, AR) x timing_repeats; times are
+medians of per-run seconds per output token. Acceptance statistics come from the first speculative run of each
+prompt. Greedy: every speculative output must equal the autoregressive one token for token (ExactnessError).
+
+Outputs (atomic): eval_results.json, results.md, acceptance.png, metrics.jsonl (+ wandb with logger=wandb).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from conf.stages import config_hash
+from data.blocks import pack_blocks
+from data.shards import TeacherDataset
+from data.sources import load_conversations
+from data.teacher import chat_segments
+from eval import report
+from eval.decode import autoregressive, make_method, speculative
+from eval.metrics import accepted_length_stats, conditional_acceptance, recall_at_k, simulated_tau
+from models.drafter import DFlashDrafter
+from models.generation import capture
+from models.target import Target, load_target
+from train.drafter import split_heldout, step_seed
+from train.logger import RunLogger
+
+log = logging.getLogger(__name__)
+
+RESULTS = "eval_results.json"
+BUILTIN = {
+    "mtbench": {"source": "mtbench"},
+    "humaneval": {"source": "humaneval"},
+    "heldout": {"source": "sharegpt", "split": "heldout"},
+}
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+class EvalError(Exception):
+    """An evaluation that cannot start (missing drafter, bad dataset name, ...), with the fix in the message."""
+
+
+class ExactnessError(RuntimeError):
+    """Greedy speculative output differs from autoregressive output: a bug in verification, never a user error."""
+
+
+# -- exactness ---------------------------------------------------------------------------------------------------
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """First output position where a and b differ (a length difference counts), or None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_exact(prompt_id: str, reference: list[int], other: list[int], what: str, strict: bool) -> int | None:
+    """Compare `other` with the autoregressive reference; raise ExactnessError (strict) or return the position."""
+    pos = first_mismatch(reference, other)
+    if pos is not None and strict:
+        ref_tok = reference[pos] if pos < len(reference) else "<end>"
+        got_tok = other[pos] if pos < len(other) else "<end>"
+        raise ExactnessError(
+            f"prompt {prompt_id}: {what} differs from autoregressive greedy decoding at output position {pos} "
+            f"(autoregressive token {ref_tok}, got {got_tok}; lengths {len(reference)} vs {len(other)})")
+    return pos
+
+
+# -- inputs ------------------------------------------------------------------------------------------------------
+def dataset_source(name: str) -> tuple[str, dict]:
+    """(label, load_conversations kwargs) of an eval set name."""
+    if name in BUILTIN:
+        return name, dict(BUILTIN[name])
+    if name.startswith("hf:"):
+        return name[3:].replace("/", "_"), {"source": "hf", "path": name[3:]}
+    if name.lower().endswith(FILE_SUFFIXES):
+        return Path(name).stem, {"source": "file", "path": name}
+    raise EvalError(f"unknown eval dataset {name!r}: use {', '.join(BUILTIN)}, a path ending in "
+                    f"{'/'.join(FILE_SUFFIXES)}, or hf:<dataset id>")
+
+
+def load_prompts(name: str, cfg: DictConfig, tokenizer, room: int) -> list[dict]:
+    """First-turn prompts of an eval set as chat-templated ids: [{"id", "prompt_ids"}]. room: the most prompt
+    tokens that still leave space for the reply in the target's context."""
+    _, kwargs = dataset_source(name)
+    limit = cfg.eval.max_prompt_tokens or room
+    convs = load_conversations(**kwargs, heldout_fraction=cfg.data.heldout_fraction, limit=cfg.eval.num_prompts,
+                               tokenizer=tokenizer, max_prompt_tokens=limit, log=log.info)
+    prompts = []
+    for c in convs:
+        ids = chat_segments(tokenizer, c["messages"], 1)[0]
+        if len(ids) > room:  # the template adds tokens the filter did not count
+            log.warning("%s: prompt %s has %d tokens with its template, over %d: skipped", name, c["id"], len(ids),
+                        room)
+            continue
+        prompts.append({"id": c["id"], "prompt_ids": ids})
+    return prompts
+
+
+def load_drafter(cfg: DictConfig, out: Path, target: Target) -> tuple[DFlashDrafter, Path]:
+    folder = Path(cfg.eval.drafter_dir) if cfg.eval.drafter_dir else out.parent / cfg.trainer.out_dir / "export"
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise EvalError(f"no exported drafter at {folder} (config.json + model.safetensors); run dflash-train "
+                        "first or set eval.drafter_dir to an exported folder")
+    model = target.model
+    drafter = DFlashDrafter.from_pretrained(str(folder), model.get_input_embeddings(), model.get_output_embeddings())
+    c = drafter.config
+    if c.num_target_layers != target.num_layers or c.target_hidden_size != target.hidden_size:
+        raise EvalError(f"drafter {folder} was trained for a target with {c.num_target_layers} layers and hidden size "
+                        f"{c.target_hidden_size}; the configured target ({target.ref}) has {target.num_layers} and "
+                        f"{target.hidden_size}")
+    dtype = next(model.parameters()).dtype
+    return drafter.to(device=next(model.parameters()).device, dtype=dtype).eval(), folder
+
+
+# -- offline metrics ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, ks: list[int],
+                    chunk: int = 64) -> dict:
+    """Teacher-forced a_k, Recall@K and tau_offline over every anchor of `items` (input_ids, loss_mask, features).
+
+    Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
+    """
+    device = drafter.norm.weight.device
+    vocab = drafter.config.vocab_size
+    to_column = torch.arange(vocab, device=device)
+    columns = vocab
+    if drafter.draft_to_target is not None:
+        columns = len(drafter.draft_to_target)
+        to_column = torch.full((vocab,), -1, dtype=torch.long, device=device)
+        to_column[drafter.draft_to_target] = torch.arange(columns, device=device)
+    kmax = min(max(ks), columns)
+    tops, labels, valids = [], [], []
+    for it in items:
+        b = pack_blocks([it], block_size=block_size, mask_token_id=drafter.config.mask_token_id,
+                        anchors_per_sequence=None)
+        b = {k: v.to(device) for k, v in b.items()}
+        hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
+                                        b["anchor_valid"])  # (1, Nb, B, H)
+        keep = b["anchor_valid"]
+        h = hidden[keep][:, 1:]  # (N, B-1, H)
+        tops += [drafter.logits(part).topk(kmax, dim=-1).indices for part in h.split(chunk)]  # (n, B-1, kmax)
+        labels.append(to_column[b["labels"][keep]])
+        valids.append(b["label_valid"][keep])
+    top, label, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
+    a, counts = conditional_acceptance(top[..., 0] == label, valid)
+    rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
+    return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
+            "recall": {str(k): v for k, v in rec.items()}, "blocks": int(top.shape[0]), "sequences": len(items)}
+
+
+def reply_items(target: Target, layer_ids: list[int], seqs: list[tuple[list[int], list[int]]]) -> list[dict]:
+    """(prompt ids, reply ids) pairs as teacher-style items: features captured now, loss mask on the reply."""
+    items = []
+    for prompt, reply in seqs:
+        ids = prompt + reply
+        feats = capture(target.model, [ids], layer_ids, pad_id=target.tokenizer.pad_token_id)[0]["features"]
+        items.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(reply),
+                                                                                dtype=torch.bool),
+                      "features": feats.cpu()})
+    return items
+
+
+def teacher_heldout_items(cfg: DictConfig, out: Path, drafter_dir: Path, target: Target,
+                          layer_ids: list[int]) -> tuple[list[dict] | None, str]:
+    """The training run's held-out teacher sequences, or (None, why not)."""
+    data_dir = Path(cfg.trainer.data_dir) if cfg.trainer.data_dir else out.parent / cfg.teacher.out_dir
+    if not (data_dir / "manifest.json").is_file():
+        return None, f"no teacher dataset at {data_dir}"
+    data = TeacherDataset(data_dir, verify=False)
+    trained_on = json.loads((drafter_dir / "config.json").read_text()).get("dflash_pipeline", {})
+    if trained_on.get("teacher_config_hash") not in (None, data.manifest["config_hash"]):
+        return None, (f"the drafter was trained on teacher data {trained_on['teacher_config_hash']}, not on "
+                      f"{data_dir} ({data.manifest['config_hash']}): its held-out split is unknown")
+    if data.manifest["target"]["ref"] != target.ref:
+        return None, f"teacher data of target {data.manifest['target']['ref']}, not {target.ref}"
+    _, held = split_heldout(data.ids, cfg.trainer.heldout_samples)
+    items = [data[i] for i in held]
+    if data.layer_ids != layer_ids:  # stored features tap other layers: capture the drafter's now
+        fresh = capture(target.model, [it["input_ids"].tolist() for it in items], layer_ids,
+                        pad_id=target.tokenizer.pad_token_id)
+        for it, f in zip(items, fresh):
+            it["features"] = f["features"].cpu()
+    return items, f"{len(items)} held-out sequences of {data_dir}"
+
+
+# -- online metrics ----------------------------------------------------------------------------------------------
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
+               temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True) -> dict:
+    """Speculative vs autoregressive decoding of `prompts` (A B B A per prompt per repeat, after one warm-up).
+
+    Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
+    """
+    device = next(target.model.parameters()).device
+
+    def gen(*parts):
+        if temperature <= 0:
+            return None
+        return torch.Generator(device=device).manual_seed(step_seed(seed, label, *parts) % (2 ** 63))
+
+    def ar(i, run):
+        return autoregressive(target, prompts[i]["prompt_ids"], max_new_tokens, temperature, gen(i, "ar", run))
+
+    def spec(i, run):
+        return speculative(target, method, prompts[i]["prompt_ids"], max_new_tokens, block_size, temperature,
+                           gen(i, "spec", run))
+
+    ar(0, "warmup"), spec(0, "warmup")
+    ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
+    draft_s, verify_s, prefill_s, accepted, mismatches = [], [], [], [], []
+    ar_outputs, out_tokens, forwards = [], 0, 0
+    for i, p in enumerate(prompts):
+        for r in range(repeats):
+            a1, t_a1 = ar(i, 2 * r)
+            s1, s2 = spec(i, 2 * r), spec(i, 2 * r + 1)
+            a2, t_a2 = ar(i, 2 * r + 1)
+            for tokens, t in ((a1, t_a1), (a2, t_a2)):
+                ar_s_per_tok.append(t["total_s"] / len(tokens))
+                ar_decode.append(t["decode_s"] / max(1, len(tokens) - 1))
+            for s in (s1, s2):
+                spec_s_per_tok.append(s.total_s / len(s.tokens))
+                spec_decode.append((s.total_s - s.prefill_s) / max(1, len(s.tokens) - 1))
+                draft_s += s.draft_s
+                verify_s += s.verify_s
+                prefill_s.append(s.prefill_s)
+            if r == 0:
+                ar_outputs.append(a1)
+                accepted += s1.accepted
+                out_tokens += len(s1.tokens)
+                forwards += s1.target_forwards
+            if temperature <= 0:
+                for what, other in (("the second autoregressive run", a2), ("speculative decoding", s1.tokens),
+                                    ("a repeated speculative run", s2.tokens)):
+                    pos = check_exact(p["id"], a1, other, what, strict)
+                    if pos is not None:
+                        mismatches.append({"prompt": p["id"], "position": pos, "run": what})
+    stats = accepted_length_stats(accepted, block_size)
+    ms_ar, ms_spec = 1e3 * _median(ar_s_per_tok), 1e3 * _median(spec_s_per_tok)
+    total_draft, total_verify = sum(draft_s), sum(verify_s)
+    res = {
+        "prompts": len(prompts),
+        "output_tokens": out_tokens,
+        "rounds": stats["rounds"],
+        "a_k_online": stats["a_k"],
+        "accepted_hist": stats["accepted_hist"],  # rounds that accepted 0 .. B-1 drafts
+        "tau_online": stats["tau"],
+        "target_forwards_per_token": forwards / out_tokens if out_tokens else 0.0,
+        "draft_ms_per_round": 1e3 * _median(draft_s),
+        "verify_ms_per_round": 1e3 * _median(verify_s),
+        "prefill_ms": 1e3 * _median(prefill_s),
+        "draft_fraction": total_draft / (total_draft + total_verify) if draft_s else 0.0,
+        "ms_per_token_ar": ms_ar,
+        "ms_per_token_spec": ms_spec,
+        "tokens_per_s_ar": 1e3 / ms_ar if ms_ar else 0.0,
+        "tokens_per_s_spec": 1e3 / ms_spec if ms_spec else 0.0,
+        "speedup": ms_ar / ms_spec if ms_spec else 0.0,
+        "speedup_decode": _median(ar_decode) / _median(spec_decode) if spec_decode and _median(spec_decode) else 0.0,
+        "exact": (not mismatches) if temperature <= 0 else None,  # None: not defined when sampling
+        "mismatches": mismatches,
+        "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
+    }
+    log.info("%s %s: tau_online %.3f a_k %s speedup %.2fx (AR %.1f tok/s, spec %.1f tok/s), exact %s", method.name,
+             label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
+             res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
+    res["ar_outputs"] = ar_outputs
+    return res
+
+
+# -- the stage ---------------------------------------------------------------------------------------------------
+def run_eval(cfg: DictConfig, out: Path) -> Path:
+    """Evaluate the exported drafter of this run (or eval.drafter_dir); writes eval_results.json, results.md and
+    acceptance.png in `out`. Skipped when eval_results.json exists for the same config; a different config's
+    results are replaced (eval is read-only on its inputs: rerun with another eval.out_dir to keep both)."""
+    e = cfg.eval
+    digest = config_hash(cfg, "eval")
+    results_file = out / RESULTS
+    if results_file.is_file():
+        old = json.loads(results_file.read_text()).get("config_hash")
+        if old == digest:
+            log.info("evaluation already complete at %s (config %s): skipping", out, digest)
+            return out
+        log.warning("%s holds results of config %s; replacing them with config %s", results_file, old, digest)
+    unknown = [m for m in e.methods if m not in _methods()]
+    if unknown:
+        raise EvalError(f"unknown eval.methods {unknown}; available: {', '.join(sorted(_methods()))}")
+    labels = [dataset_source(name)[0] for name in e.datasets]  # fails early on a bad name
+
+    threads = torch.get_num_threads()
+    if e.num_threads:
+        torch.set_num_threads(e.num_threads)
+    try:
+        results = _evaluate(cfg, out, digest, labels)
+    finally:
+        torch.set_num_threads(threads)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    logger = RunLogger(cfg, out, "eval")
+    logger.log(report.loggable(results), step=0)
+    report.log_wandb(logger, results)
+    logger.finish()
+    report.write_text(out / "results.md", report.markdown(results))
+    report.plot_acceptance(results, out / "acceptance.png")
+    report.write_json(results_file, results)  # last: its presence marks the stage complete
+    log.info("evaluation written to %s", out)
+    return out
+
+
+def _methods() -> dict:
+    from eval.decode import METHODS
+
+    return METHODS
+
+
+def _evaluate(cfg: DictConfig, out: Path, digest: str, labels: list[str]) -> dict:
+    e = cfg.eval
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(cfg.target, cfg.cache_dir)
+    target.model.to(device)
+    drafter, drafter_dir = load_drafter(cfg, out, target)
+    trained_B = drafter.config.block_size
+    B = e.block_size or trained_B
+    if not 2 <= B <= trained_B:
+        raise EvalError(f"eval.block_size={B} must be in 2 .. {trained_B} (the trained block size)")
+    layer_ids = list(drafter.config.target_layer_ids)
+    room = target.model.config.max_position_embeddings - e.max_new_tokens - B
+    ks = sorted(set(e.recall_k))
+
+    results = {
+        "config_hash": digest,
+        "target": target.ref,
+        "drafter_dir": str(drafter_dir),
+        "block_size": B,
+        "trained_block_size": trained_B,
+        "temperature": e.temperature,
+        "max_new_tokens": e.max_new_tokens,
+        "datasets": labels,
+        "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats; "
+                               "medians of per-run time per output token",
+                   "device": str(device), "num_threads": torch.get_num_threads(), "repeats": e.timing_repeats},
+        "offline": {},
+        "methods": {m: {} for m in e.methods},
+    }
+    items, note = teacher_heldout_items(cfg, out, drafter_dir, target, layer_ids)
+    results["offline"]["teacher_heldout"] = offline_metrics(drafter, items, B, ks) if items else None
+    if items:
+        log.info("offline on %s: a_k %s tau_offline %.3f", note,
+                 [round(x, 3) for x in results["offline"]["teacher_heldout"]["a_k"]],
+                 results["offline"]["teacher_heldout"]["tau_offline"])
+    else:
+        log.warning("no offline metrics on held-out teacher data: %s", note)
+    results["offline_note"] = note
+
+    for name, label in zip(e.datasets, labels):
+        prompts = load_prompts(name, cfg, target.tokenizer, room)
+        if not prompts:
+            raise EvalError(f"eval dataset {name!r} gave no prompt that fits the target's context")
+        offline = None
+        for m in e.methods:
+            method = make_method(m, drafter)
+            online = run_online(target, method, prompts, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
+                                temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats,
+                                strict=e.strict_exact)
+            ar_outputs = online.pop("ar_outputs")
+            if offline is None:  # the drafter's teacher-forced metrics on these prompts' target replies
+                seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, ar_outputs)]
+                offline = offline_metrics(drafter, reply_items(target, layer_ids, seqs), B, ks)
+                results["offline"][label] = offline
+            results["methods"][m][label] = {
+                **online,
+                "a_k_offline": offline["a_k"],
+                "recall": offline["recall"],
+                "tau_offline": offline["tau_offline"],
+                "tau_gap": offline["tau_offline"] - online["tau_online"],
+                "prompt_ids": [p["id"] for p in prompts],
+            }
+    return results

@@ -1,0 +1,338 @@
+"""Evaluation: speculative decoding is exact (greedy) and distribution-preserving (sampling), the metrics match
+hand-computed values, and the eval stage writes what it promises."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from scipy.stats import chi2
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import eval.decode as decode
+from conf.stages import config_hash
+from eval.decode import Proposal, autoregressive, crop_cache, speculative
+from eval.metrics import accepted_length_stats, conditional_acceptance, recall_at_k, simulated_tau
+from eval.stage import ExactnessError, check_exact, first_mismatch, offline_metrics, run_eval, run_online
+from models.drafter import DFlashDrafter, DFlashDrafterConfig
+from models.generation import generate
+from models.target import load_target
+from tests.conftest import make_config
+from train.drafter import drafter_config
+
+TEXTS = ["Write a haiku about the sea.", "What is 12 times 7?", "List three prime numbers."]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Batch-1 decoding of tiny models is dominated by thread sync on a busy 2-core machine: use one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = make_config()
+    return load_target(cfg.target, cfg.cache_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    tok = target.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+            for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(target, prompts):
+    return [target.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def random_drafter(target):
+    """An untrained drafter on the tiny target (block 4, taps [1, 3]): low acceptance."""
+    torch.manual_seed(0)
+    conf = drafter_config(make_config(), target, [1, 3])
+    m = target.model
+    return DFlashDrafter(conf, m.get_input_embeddings(), m.get_output_embeddings()).eval()
+
+
+class Oracle:
+    """A method that proposes the target's own greedy continuation; `corrupt` (prob) replaces a draft with a wrong
+    token, so the expected accepted count of a round is the index of its first corrupted draft."""
+
+    name = "oracle"
+
+    def __init__(self, continuation: list[int], block: int, vocab: int, corrupt: float = 0.0, seed: int = 0):
+        self.continuation, self.max_block_size, self.vocab, self.corrupt = continuation, block, vocab, corrupt
+        self.layer_ids = [1]
+        self.gen = torch.Generator().manual_seed(seed)
+        self.expected: list[int] = []
+
+    def start(self):
+        self.expected = []
+
+    def propose(self, state, block_size, temperature=0.0, generator=None):
+        n = len(state.output)
+        drafts = list(self.continuation[n: n + block_size - 1])
+        drafts += [0] * (block_size - 1 - len(drafts))
+        expected = block_size - 1
+        for k in range(block_size - 1):
+            if float(torch.rand((), generator=self.gen)) < self.corrupt:
+                drafts[k] = (drafts[k] + 1) % self.vocab
+                expected = min(expected, k)
+        self.expected.append(expected)
+        return Proposal(torch.tensor(drafts))
+
+
+# -- greedy exactness --------------------------------------------------------------------------------------------
+def test_autoregressive_equals_batched_generate(target, prompt_ids):
+    tokens, t = autoregressive(target, prompt_ids[0], 12)
+    ref = generate(target.model, [prompt_ids[0]], max_new_tokens=12, eos_ids=target.eos_ids,
+                   pad_id=target.tokenizer.pad_token_id)[0]
+    assert tokens == ref
+    assert t["target_forwards"] == len(tokens) and t["total_s"] >= t["decode_s"] > 0
+
+
+def test_crop_cache_keeps_length(target, prompt_ids):
+    cache = DynamicCache()
+    with torch.no_grad():
+        target.model(input_ids=torch.tensor([prompt_ids[0]]), cache=cache, use_cache=True)
+    n = len(prompt_ids[0])
+    crop_cache(cache, n - 3)
+    assert cache.get_seq_length() == n - 3
+    crop_cache(cache, n)  # never grows
+    assert cache.get_seq_length() == n - 3
+
+
+@pytest.mark.parametrize("block", [2, 3, 4])
+def test_speculative_equals_greedy_random_drafter(target, prompt_ids, random_drafter, block):
+    for ids in prompt_ids:
+        ar, _ = autoregressive(target, ids, 20)
+        res = speculative(target, random_drafter, ids, 20, block)
+        assert res.tokens == ar
+        assert len(res.accepted) == len(res.draft_s) == len(res.verify_s) == res.target_forwards - 1
+        assert all(0 <= n <= block - 1 for n in res.accepted)
+
+
+def test_block_larger_than_trained_is_refused(target, prompt_ids, random_drafter):
+    with pytest.raises(ValueError, match="block size 5"):
+        speculative(target, random_drafter, prompt_ids[0], 8, 5)
+
+
+def test_oracle_accepts_every_draft(target, prompt_ids):
+    B, max_new = 4, 16
+    cont, _ = autoregressive(target, prompt_ids[0], max_new + B)
+    assert len(cont) == max_new + B, "the tiny target stopped early; pick another prompt"
+    oracle = Oracle(cont, B, target.model.config.vocab_size)
+    res = speculative(target, oracle, prompt_ids[0], max_new, B)
+    assert res.tokens == cont[:max_new]
+    rounds = -(-(max_new - 1) // B)  # the prefill gives 1 token, each round B
+    assert res.accepted == [B - 1] * rounds
+    assert res.tau == B
+    assert res.target_forwards == 1 + rounds
+    stats = accepted_length_stats(res.accepted, B)
+    assert stats["a_k"] == [1.0] * (B - 1) and stats["tau"] == B
+
+
+def test_partially_wrong_oracle_rolls_back_exactly(target, prompt_ids):
+    """Corrupted drafts are rejected exactly where they start, and the cropped cache keeps the output exact."""
+    B, max_new = 4, 24
+    for seed, ids in enumerate(prompt_ids):
+        cont, _ = autoregressive(target, ids, max_new + B)
+        oracle = Oracle(cont, B, target.model.config.vocab_size, corrupt=0.3, seed=seed)
+        res = speculative(target, oracle, ids, max_new, B)
+        assert res.tokens == cont[:max_new]
+        assert res.accepted == oracle.expected
+        assert 0 < sum(res.accepted) < (B - 1) * len(res.accepted)
+
+
+def test_eos_inside_accepted_drafts_ends_output(target, prompt_ids):
+    cont, _ = autoregressive(target, prompt_ids[1], 24)
+    stop = cont[6]  # pretend this token is an EOS: it sits inside an accepted block of the oracle
+    early = SimpleNamespace(model=target.model, eos_ids={stop})
+    ar, _ = autoregressive(early, prompt_ids[1], 24)
+    assert ar == cont[: cont.index(stop) + 1]
+    res = speculative(early, Oracle(cont, 4, target.model.config.vocab_size), prompt_ids[1], 24, 4)
+    assert res.tokens == ar
+
+
+# -- loud mismatch ----------------------------------------------------------------------------------------------
+def test_mismatch_is_detected_loudly(target, prompt_ids, random_drafter, monkeypatch):
+    """A verifier that picks a wrong token (argmax + 1) makes the stage raise, naming the prompt and position."""
+    real = decode.target_forward
+
+    def corrupt(model, ids, positions, cache, layer_ids, last_only=False):
+        logits, feats = real(model, ids, positions, cache, layer_ids, last_only)
+        if not last_only:  # a verify forward, not the prefill
+            logits = logits.clone()
+            logits[torch.arange(len(logits)), (logits.argmax(-1) + 1) % logits.shape[-1]] = 1e4
+        return logits, feats
+
+    monkeypatch.setattr(decode, "target_forward", corrupt)
+    batch = [{"id": "p0", "prompt_ids": prompt_ids[0]}]
+    method = decode.make_method("chain", random_drafter)
+    with pytest.raises(ExactnessError, match=r"prompt p0: speculative decoding differs .* output position \d+"):
+        run_online(target, method, batch, label="t", block_size=4, max_new_tokens=12)
+    res = run_online(target, method, batch, label="t", block_size=4, max_new_tokens=12, strict=False)
+    assert res["exact"] is False
+    assert {m["run"] for m in res["mismatches"]} == {"speculative decoding", "a repeated speculative run"}
+
+
+def test_first_mismatch_and_check_exact():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2
+    with pytest.raises(ExactnessError, match="prompt q7: .* position 2"):
+        check_exact("q7", [4, 5, 6], [4, 5, 9], "speculative decoding", strict=True)
+    assert check_exact("q7", [4, 5, 6], [4, 5, 9], "speculative decoding", strict=False) == 2
+
+
+# -- sampling preserves the target's distribution --------------------------------------------------------------
+def test_speculative_sampling_matches_target_distribution():
+    """The joint of the first 3 sampled tokens (vocab 6, 216 cells) against its exact value from the target,
+    chi-square (cells with expectation < 5 pooled). A sampler that draws from p instead of the residual
+    norm(max(0, p - q)) after a rejection fails this test (p < 1e-3 at these sizes)."""
+    V, T, N = 6, 1.0, 2000
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    tgt = SimpleNamespace(model=model, eos_ids=set())
+    conf = DFlashDrafterConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, vocab_size=V, block_size=3,
+        target_hidden_size=32, target_layer_ids=[0], num_target_layers=2, mask_token_id=V - 1)
+    drafter = DFlashDrafter(conf, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    prompt = [1, 2, 3, 0]
+    P = len(prompt)
+    with torch.no_grad():  # exact joint p(a) p(b|a) p(c|a,b)
+        seqs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        probs = torch.softmax(model(input_ids=seqs).logits.double() / T, -1)
+    p1 = probs[0, P - 1]
+    p2 = probs[:, P].view(V, V, V)[:, 0]
+    p3 = probs[:, P + 1].view(V, V, V)
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+    for block in (2, 3):  # block 2: the bonus token enters the first 3; block 3: two chained acceptances
+        gen = torch.Generator().manual_seed(block)
+        counts = torch.zeros(V ** 3, dtype=torch.float64)
+        accepted = []
+        for _ in range(N):
+            res = speculative(tgt, drafter, prompt, 3, block, temperature=T, generator=gen)
+            a, b, c = res.tokens
+            counts[(a * V + b) * V + c] += 1
+            accepted += res.accepted
+        hist = torch.bincount(torch.tensor(accepted), minlength=block).tolist()
+        assert min(hist) > 0.1 * len(accepted), f"both rejections and acceptances must occur: {hist}"
+        expected = joint * N
+        big = expected >= 5
+        e = torch.cat([expected[big], expected[~big].sum()[None]])
+        o = torch.cat([counts[big], counts[~big].sum()[None]])
+        stat = float(((o - e) ** 2 / e).sum())
+        p_value = chi2.sf(stat, len(e) - 1)
+        assert p_value > 1e-3, f"block {block}: chi2 {stat:.1f} on {len(e) - 1} dof, p = {p_value:.2g}"
+
+    # the autoregressive sampler draws the first token from p1 too (same temperature handling)
+    gen = torch.Generator().manual_seed(7)
+    first = torch.bincount(torch.tensor([autoregressive(tgt, prompt, 1, T, gen)[0][0] for _ in range(500)]),
+                           minlength=V).double()
+    assert 0.5 * (first / 500 - p1).abs().sum() < 0.1
+
+
+# -- metrics on hand-made cases ---------------------------------------------------------------------------------
+def test_offline_metrics_hand_made():
+    correct = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    valid = torch.ones(4, 3, dtype=torch.bool)
+    a, counts = conditional_acceptance(correct, valid)
+    assert a == pytest.approx([3 / 4, 2 / 3, 1 / 2]) and counts == [4, 3, 2]
+    assert simulated_tau(a) == pytest.approx(1 + 0.75 + 0.5 + 0.25)
+    valid[3, 2] = False  # no label: row 3 does not reach position 3
+    a, counts = conditional_acceptance(correct, valid)
+    assert a == pytest.approx([3 / 4, 2 / 3, 0.0]) and counts == [4, 3, 1]
+
+    labels = torch.tensor([[5, 6], [5, 6], [7, 8]])
+    top = torch.tensor([[[5, 1], [9, 6]],  # pos 1 top-1 right; pos 2 only in top-2
+                        [[1, 5], [6, 2]],  # pos 1 only in top-2 -> pos 2 not reached
+                        [[7, 2], [8, 3]]])  # both top-1 right
+    rec = recall_at_k(top, labels, torch.ones(3, 2, dtype=torch.bool), [1, 2])
+    assert rec[1] == pytest.approx([2 / 3, 1 / 2]) and rec[2] == pytest.approx([1.0, 1.0])
+
+    stats = accepted_length_stats([0, 3, 1, 3], block_size=4)
+    assert stats["accepted_hist"] == [1, 1, 0, 2]
+    assert stats["tau"] == pytest.approx((0 + 3 + 1 + 3 + 4) / 4)
+    assert stats["a_k"] == pytest.approx([3 / 4, 2 / 3, 1.0])
+
+
+def test_offline_metrics_on_known_predictions(random_drafter):
+    """An untrained drafter predicts its MASK input token at every block position (ALGORITHMS.md section 11), so
+    a reply made of MASK tokens is drafted perfectly, and one foreign token fails exactly the blocks that reach it.
+    Prompt positions 0-4, reply 5-14; anchors 4..13; a label past position 14 is invalid."""
+    mask, B = random_drafter.config.mask_token_id, 4
+    width = len(random_drafter.config.target_layer_ids) * random_drafter.config.target_hidden_size
+    torch.manual_seed(0)
+    ids = torch.tensor([100, 101, 102, 103, 104] + [mask] * 10)
+    item = {"input_ids": ids, "loss_mask": torch.arange(15) >= 5, "features": torch.randn(15, width)}
+    m = offline_metrics(random_drafter, [item], B, [1, 4])
+    assert m["a_k"] == [1.0, 1.0, 1.0] and m["blocks_at_k"] == [10, 9, 8] and m["tau_offline"] == 4.0
+    assert m["blocks"] == 10 and m["recall"] == {"1": [1.0] * 3, "4": [1.0] * 3}
+
+    ids[9] = 7  # missed by the anchor at 8 (k=1), at 7 (k=2), at 6 (k=3)
+    m = offline_metrics(random_drafter, [item], B, [1, 4])
+    assert m["blocks_at_k"] == [10, 8, 6]
+    assert m["a_k"] == pytest.approx([9 / 10, 7 / 8, 5 / 6])
+    assert m["tau_offline"] == pytest.approx(1 + 0.9 + 0.9 * 7 / 8 + 0.9 * 7 / 8 * 5 / 6)
+    assert m["recall"]["1"] == pytest.approx(m["a_k"])
+
+
+# -- the stage ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_eval(tmp_path_factory, tiny_teacher):
+    """teacher (shared fixture) -> 4 training steps -> eval, with the tiny experiment's eval settings."""
+    from train.loop import run_train
+
+    root = tmp_path_factory.mktemp("eval_run")
+    cfg = make_config(f"trainer.data_dir={tiny_teacher}", "eval.num_threads=1")
+    run_train(cfg, root / "train")
+    out = run_eval(cfg, root / "eval")
+    return cfg, out
+
+
+def test_eval_results_schema(tiny_eval):
+    cfg, out = tiny_eval
+    results = json.loads((out / "eval_results.json").read_text())
+    B = results["block_size"]
+    assert B == cfg.drafter.block_size and results["config_hash"] == config_hash(cfg, "eval")
+    assert (out / "results.md").is_file() and (out / "acceptance.png").stat().st_size > 0
+    assert (out / "metrics.jsonl").is_file()
+    held = results["offline"]["teacher_heldout"]
+    assert held is not None and held["sequences"] == cfg.trainer.heldout_samples
+    assert len(held["a_k"]) == B - 1 and all(len(v) == B - 1 for v in held["recall"].values())
+    assert set(results["methods"]) == {"chain"}
+    per = results["methods"]["chain"]
+    assert list(per) == ["mtbench", "humaneval", "heldout"]
+    for ds, r in per.items():
+        for key in ("a_k_online", "a_k_offline"):
+            assert len(r[key]) == B - 1, (ds, key)
+        assert all(len(v) == B - 1 for v in r["recall"].values())
+        assert len(r["accepted_hist"]) == B and sum(r["accepted_hist"]) == r["rounds"]
+        assert r["prompts"] == cfg.eval.num_prompts
+        assert 0 < r["output_tokens"] <= cfg.eval.num_prompts * cfg.eval.max_new_tokens
+        assert r["exact"] is True and r["mismatches"] == []
+        assert 1.0 <= r["tau_online"] <= B and 1.0 <= r["tau_offline"] <= B
+        assert r["speedup"] > 0 and r["tokens_per_s_ar"] > 0 and r["tokens_per_s_spec"] > 0
+        assert r["target_forwards_per_token"] <= 1.0 + 1e-9
+        assert r["timed_runs"] == 4 * cfg.eval.num_prompts * cfg.eval.timing_repeats
+    md = (out / "results.md").read_text()
+    assert "| chain | mtbench |" in md and "tau online" in md
+
+
+def test_eval_skips_when_done(tiny_eval):
+    cfg, out = tiny_eval
+    before = (out / "eval_results.json").stat().st_mtime_ns
+    run_eval(cfg, out)
+    assert (out / "eval_results.json").stat().st_mtime_ns == before

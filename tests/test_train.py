@@ -1,0 +1,174 @@
+"""Training the drafter: blocks, labels, losses, the loop's resume and multi-process equality, export."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.blocks import pack_blocks
+from data.shards import DatasetError
+from models.drafter import DFlashDrafter
+from train import loop as loop_mod
+from train.drafter import DrafterComponent
+from train.loop import TrainError, run_train
+from train.losses import block_loss, dpace_weights, normaliser
+
+from conftest import make_config
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_blocks_labels_are_the_tokens_at_anchor_plus_k():
+    ids = torch.arange(100, 112)
+    mask = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    item = {"input_ids": ids, "loss_mask": mask, "features": torch.zeros(12, 2)}
+    b = pack_blocks([item], block_size=4, mask_token_id=7, anchors_per_sequence=None)
+    anchors = b["anchor_pos"][0].tolist()
+    assert anchors == list(range(3, 11))  # the next token is a reply token; the last token has nothing to predict
+    for j, a in enumerate(anchors):
+        assert b["block_ids"][0, j].tolist() == [100 + a, 7, 7, 7]
+        for k in range(1, 4):
+            inside = a + k < 12
+            assert bool(b["label_valid"][0, j, k - 1]) == inside
+            if inside:
+                assert int(b["labels"][0, j, k - 1]) == 100 + a + k
+
+
+def test_dpace_weights_match_hand_computation():
+    ce = torch.tensor([[torch.log(torch.tensor(2.0)), torch.log(torch.tensor(4.0)), 0.0]])
+    # q = [1/2, 1/4, 1]; s = 0.5 q + 0.5 = [.75, .625, 1]; P = [.75, .46875, .46875]; w_k = sum_{j>=k} P_j
+    w = dpace_weights(ce, torch.tensor([[True, True, True]]), alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.6875, 0.9375, 0.46875]]))
+    w = dpace_weights(ce, torch.tensor([[True, True, False]]), alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.21875, 0.46875, 0.0]]))
+
+
+def test_decay_loss_is_a_weighted_mean():
+    logits = torch.zeros(1, 3, 5)
+    labels, valid = torch.tensor([[0, 1, 2]]), torch.tensor([[True, True, False]])
+    total = block_loss(logits, labels, valid, kind="decay", gamma=1.0)
+    norm = normaliser("decay", valid, 1.0)
+    torch.testing.assert_close(total / norm, torch.log(torch.tensor(5.0)))
+
+
+@pytest.fixture(scope="module")
+def component(tiny_teacher):
+    torch.manual_seed(0)
+    return DrafterComponent(make_config(), tiny_teacher, torch.device("cpu"))
+
+
+def _train_on(comp, batch, steps, lr=3e-3, **shape):
+    model = DFlashDrafter(dataclasses.replace(comp.dconf, **shape), comp.model.embed_tokens, comp.model.lm_head)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    out = []
+    for _ in range(steps):
+        loss_sum, stats = comp.loss(model, batch)
+        (loss_sum / comp.normaliser(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+        c, v = stats["correct"], stats["valid"]
+        out.append((float(loss_sum.detach() / comp.normaliser(batch)), float((c & v).sum() / v.sum())))
+    return out
+
+
+def test_loss_decreases_on_a_fixed_batch(component):
+    batch = component.batch(component.train_idx[:2], step=0)
+    curve = _train_on(component, batch, 30, lr=1e-2)
+    assert curve[-1][0] < 0.85 * curve[0][0]
+
+
+def test_label_alignment_with_a_perfect_shortcut(component):
+    """Feed the answer at block position k as its input: a drafter without layers (each position sees only its own
+    input, through the residual stream) predicts it only if the labels sit at anchor + k."""
+    g = torch.Generator().manual_seed(0)
+    width = len(component.data.layer_ids) * component.data.hidden_size
+    items = [{"input_ids": torch.randperm(40000, generator=g)[:60] + 100,  # distinct tokens: no lucky repeats
+              "loss_mask": torch.arange(60) >= 20, "features": torch.randn(60, width, generator=g)} for _ in range(2)]
+    batch = pack_blocks(items, block_size=component.block_size, mask_token_id=component.dconf.mask_token_id,
+                        anchors_per_sequence=None)
+    for b, it in enumerate(items):
+        for j, a in enumerate(batch["anchor_pos"][b].tolist()):
+            for k in range(1, component.block_size):
+                if a + k < 60:
+                    batch["block_ids"][b, j, k] = it["input_ids"][a + k]  # the shortcut: the answer in the input
+    aligned = _train_on(component, batch, 5, num_hidden_layers=0)[-1][1]
+    shifted = dict(batch, labels=batch["labels"].roll(1, dims=-1))  # off by one position
+    misaligned = _train_on(component, shifted, 5, num_hidden_layers=0)[-1][1]
+    assert aligned > 0.95 and misaligned < 0.1
+
+
+def test_resume_repeats_the_losses_of_an_uninterrupted_run(tiny_teacher, tmp_path, monkeypatch):
+    cfg = make_config("trainer.steps=4", "trainer.save_every=2")
+    full = run_train(cfg, tmp_path / "full", data_dir=tiny_teacher)
+    real_batch = DrafterComponent.batch
+
+    def crash_at_step_3(self, indices, step, slot0=0):
+        if step == 3:
+            raise KeyboardInterrupt("simulated kill")
+        return real_batch(self, indices, step, slot0)
+
+    monkeypatch.setattr(DrafterComponent, "batch", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(cfg, tmp_path / "killed", data_dir=tiny_teacher)
+    monkeypatch.setattr(DrafterComponent, "batch", real_batch)
+    resumed = run_train(make_config("trainer.steps=4", "trainer.save_every=2", "trainer.resume=true"),
+                        tmp_path / "killed", data_dir=tiny_teacher)
+    assert len(losses(resumed)) == 4
+    assert losses(resumed) == pytest.approx(losses(full), rel=1e-6)
+
+
+def test_export_reloads_to_the_same_drafter(tiny_teacher, tmp_path, component):
+    run = run_train(make_config("trainer.steps=2"), tmp_path / "run", data_dir=tiny_teacher)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    model = DFlashDrafter.from_pretrained(str(run / "export"), component.model.embed_tokens, component.model.lm_head)
+    assert component.evaluate(model) == last["heldout"]
+    config = json.loads((run / "export" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_pipeline"]["target_layer_ids"] == config["dflash_config"]["target_layer_ids"]
+
+
+def test_draft_vocabulary_head(tiny_teacher, tmp_path):
+    run = run_train(make_config("trainer.steps=2", "trainer.draft_vocab_size=50"), tmp_path / "run",
+                    data_dir=tiny_teacher)
+    config = json.loads((run / "export" / "config.json").read_text())
+    assert config["dflash_config"]["draft_vocab_size"] == 50
+
+
+@pytest.mark.parametrize("loss", ["dpace", "kl"])
+def test_other_losses_train(tiny_teacher, tmp_path, loss):
+    run = run_train(make_config("trainer.steps=2", f"trainer.loss={loss}"), tmp_path / "run", data_dir=tiny_teacher)
+    assert all(torch.isfinite(torch.tensor(losses(run))))
+
+
+def test_wrong_component_and_mismatched_dataset_fail_clearly(tiny_teacher, tmp_path):
+    with pytest.raises(TrainError, match="unknown trainer.component 'selectr'.*drafter"):
+        run_train(make_config("trainer.component=selectr"), tmp_path / "a", data_dir=tiny_teacher)
+    with pytest.raises(DatasetError, match="hidden size 64.*hidden size 32"):
+        run_train(make_config("target.tiny.hidden_size=32", "target.tiny.intermediate_size=64"), tmp_path / "b",
+                  data_dir=tiny_teacher)
+
+
+def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path):
+    """accelerate launch with 2 CPU processes (gloo) and the same global batch gives the same losses."""
+    def launch(n: int, run_dir: Path):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no"]
+        cmd += ["--multi_gpu"] if n > 1 else []
+        cmd += ["-m", "train", "experiment=tiny", f"hydra.run.dir={run_dir}",
+                f"trainer.data_dir={tiny_teacher}", "trainer.steps=3", "trainer.eval_every=100"]
+        env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parents[1])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return losses(run_dir / "train")
+
+    one, two = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
+    assert len(one) == len(two) == 3
+    assert two == pytest.approx(one, rel=1e-4)
