@@ -23,9 +23,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from data.shards import DatasetError
     from data.sources import DataSourceError
     from models.target import TargetError
+    from eval.stage import EvalError
     from train.loop import TrainError
 
-    return (DatasetError, DataSourceError, TargetError, TrainError)
+    return (DatasetError, DataSourceError, TargetError, TrainError, EvalError)
 
 
 def _run_dir() -> Path:
@@ -52,14 +53,12 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str]) -> dict[str, P
     """Run the named stages in order; each skips itself when its output exists for the same config."""
     from conf.stages import stage_dir
     from data.teacher import run_teacher
+    from eval.stage import run_eval
     from train.loop import run_train
 
-    runners = {"teacher": run_teacher, "train": run_train}
+    runners = {"teacher": run_teacher, "train": run_train, "eval": run_eval}
     outputs = {}
     for stage in stages:
-        if stage not in runners:
-            log.info("stage %s: not built yet, skipped", stage)
-            continue
         outputs[stage] = runners[stage](cfg, stage_dir(cfg, stage, run_dir))
     return outputs
 

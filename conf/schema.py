@@ -136,7 +136,10 @@ class EvalConfig:
     recall_k: list[int] = field(default_factory=lambda: [1, 4, 16])  # offline Recall@K
     timing_repeats: int = 1  # A B B A passes (AR, spec, spec, AR) per prompt, after one warm-up per dataset
     strict_exact: bool = True  # greedy: raise on any speculative/autoregressive mismatch (False: record it)
-    num_threads: Optional[int] = None  # torch intra-op threads while evaluating; None: leave torch's setting
+    # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1
+    # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval
+    # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).
+    num_threads: Optional[int] = 1
 
 
 @dataclass

@@ -133,15 +133,29 @@ def plan_shards(target: Target, convs: list[dict], shard_size: int) -> list[list
     return [order[i: i + shard_size] for i in range(0, len(order), shard_size)]
 
 
-def check_existing(out: Path, digest: str) -> str:
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    keys = sorted(set(old) | set(new))
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def check_existing(out: Path, digest: str, config: dict) -> str:
     """'done' / 'resume' / 'new' for an output folder, refusing a folder made with another config."""
     for name in ("manifest.json", "plan.json"):
         f = out / name
         if f.is_file():
-            theirs = json.loads(f.read_text())["config_hash"]
-            if theirs != digest:
+            theirs = json.loads(f.read_text())
+            if theirs["config_hash"] != digest:
+                diff = "; ".join(config_diff(theirs.get("config", {}), config)[:5])
                 raise DatasetError(
-                    f"{out} holds a teacher dataset of a different config (hash {theirs} != {digest}); "
+                    f"{out} holds a teacher dataset of a different config ({diff or 'hash ' + theirs['config_hash']}); "
                     "choose another hydra.run.dir / name, or delete the folder"
                 )
             return "done" if name == "manifest.json" else "resume"
@@ -151,8 +165,8 @@ def check_existing(out: Path, digest: str) -> str:
 def run_teacher(cfg: DictConfig, out: Path) -> Path:
     """Build (or finish) the teacher dataset of `cfg` in folder `out`; returns `out`."""
     state = PartialState()
-    digest = config_hash(cfg, "teacher")
-    status = check_existing(out, digest)
+    digest, config = config_hash(cfg, "teacher"), stage_config(cfg, "teacher")
+    status = check_existing(out, digest, config)
     if status == "done":
         log.info("teacher dataset already complete at %s (config %s): skipping", out, digest)
         return out
@@ -173,7 +187,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
                                tokenizer=target.tokenizer, max_prompt_tokens=d.max_prompt_tokens, log=note)
     target.model.to(state.device)
     shards = plan_shards(target, convs, cfg.teacher.shard_size)
-    plan = {"config_hash": digest, "shards": [[convs[i]["id"] for i in s] for s in shards]}
+    plan = {"config_hash": digest, "config": config, "shards": [[convs[i]["id"] for i in s] for s in shards]}
 
     if state.is_main_process:
         if status == "new":
@@ -213,7 +227,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
         write_json(out / "manifest.json", {
             "format_version": FORMAT_VERSION,
             "config_hash": digest,
-            "config": stage_config(cfg, "teacher"),
+            "config": config,
             "target": {"ref": target.ref, "num_layers": mc.num_hidden_layers, "hidden_size": mc.hidden_size,
                        "vocab_size": mc.vocab_size, "eos_token_id": target.tokenizer.eos_token_id},
             "layer_ids": layer_ids,

@@ -30,7 +30,7 @@ from data.shards import TeacherDataset
 from data.sources import load_conversations
 from data.teacher import chat_segments
 from eval import report
-from eval.decode import autoregressive, make_method, speculative
+from eval.decode import METHODS, autoregressive, make_method, speculative
 from eval.metrics import accepted_length_stats, conditional_acceptance, recall_at_k, simulated_tau
 from models.drafter import DFlashDrafter
 from models.generation import capture
@@ -296,10 +296,12 @@ def run_eval(cfg: DictConfig, out: Path) -> Path:
             log.info("evaluation already complete at %s (config %s): skipping", out, digest)
             return out
         log.warning("%s holds results of config %s; replacing them with config %s", results_file, old, digest)
-    unknown = [m for m in e.methods if m not in _methods()]
+    unknown = [m for m in e.methods if m not in METHODS]
     if unknown:
-        raise EvalError(f"unknown eval.methods {unknown}; available: {', '.join(sorted(_methods()))}")
+        raise EvalError(f"unknown eval.methods {unknown}; available: {', '.join(sorted(METHODS))}")
     labels = [dataset_source(name)[0] for name in e.datasets]  # fails early on a bad name
+    if len(set(labels)) != len(labels):
+        raise EvalError(f"eval.datasets {list(e.datasets)} give duplicate names {labels}")
 
     threads = torch.get_num_threads()
     if e.num_threads:
@@ -320,12 +322,6 @@ def run_eval(cfg: DictConfig, out: Path) -> Path:
     report.write_json(results_file, results)  # last: its presence marks the stage complete
     log.info("evaluation written to %s", out)
     return out
-
-
-def _methods() -> dict:
-    from eval.decode import METHODS
-
-    return METHODS
 
 
 def _evaluate(cfg: DictConfig, out: Path, digest: str, labels: list[str]) -> dict:

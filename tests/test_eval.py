@@ -14,7 +14,7 @@ import eval.decode as decode
 from conf.stages import config_hash
 from eval.decode import Proposal, autoregressive, crop_cache, speculative
 from eval.metrics import accepted_length_stats, conditional_acceptance, recall_at_k, simulated_tau
-from eval.stage import ExactnessError, check_exact, first_mismatch, offline_metrics, run_eval, run_online
+from eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, offline_metrics, run_eval, run_online
 from models.drafter import DFlashDrafter, DFlashDrafterConfig
 from models.generation import generate
 from models.target import load_target
@@ -191,6 +191,16 @@ def test_first_mismatch_and_check_exact():
     assert check_exact("q7", [4, 5, 6], [4, 5, 9], "speculative decoding", strict=False) == 2
 
 
+def test_run_online_sampling(target, prompt_ids, random_drafter):
+    batch = [{"id": f"p{i}", "prompt_ids": ids} for i, ids in enumerate(prompt_ids[:2])]
+    method = decode.make_method("chain", random_drafter)
+    res = run_online(target, method, batch, label="s", block_size=3, max_new_tokens=8, temperature=0.8, seed=1)
+    assert res["exact"] is None and res["mismatches"] == []
+    assert len(res["a_k_online"]) == 2 and sum(res["accepted_hist"]) == res["rounds"] > 0
+    again = run_online(target, method, batch, label="s", block_size=3, max_new_tokens=8, temperature=0.8, seed=1)
+    assert again["ar_outputs"] == res["ar_outputs"] and again["accepted_hist"] == res["accepted_hist"]
+
+
 # -- sampling preserves the target's distribution --------------------------------------------------------------
 def test_speculative_sampling_matches_target_distribution():
     """The joint of the first 3 sampled tokens (vocab 6, 216 cells) against its exact value from the target,
@@ -296,7 +306,7 @@ def tiny_eval(tmp_path_factory, tiny_teacher):
     from train.loop import run_train
 
     root = tmp_path_factory.mktemp("eval_run")
-    cfg = make_config(f"trainer.data_dir={tiny_teacher}", "eval.num_threads=1")
+    cfg = make_config(f"trainer.data_dir={tiny_teacher}")
     run_train(cfg, root / "train")
     out = run_eval(cfg, root / "eval")
     return cfg, out
@@ -329,6 +339,15 @@ def test_eval_results_schema(tiny_eval):
         assert r["timed_runs"] == 4 * cfg.eval.num_prompts * cfg.eval.timing_repeats
     md = (out / "results.md").read_text()
     assert "| chain | mtbench |" in md and "tau online" in md
+
+
+def test_eval_bad_input_fails_early(tmp_path):
+    with pytest.raises(EvalError, match="unknown eval dataset 'nope'"):
+        run_eval(make_config("eval.datasets=[nope]"), tmp_path / "eval")
+    with pytest.raises(EvalError, match="unknown eval.methods"):
+        run_eval(make_config("eval.methods=[tree]"), tmp_path / "eval")
+    with pytest.raises(EvalError, match="no exported drafter"):
+        run_eval(make_config(), tmp_path / "eval")
 
 
 def test_eval_skips_when_done(tiny_eval):

@@ -157,7 +157,7 @@ def test_complete_dataset_is_skipped_and_other_config_refused(tiny_teacher, tmp_
     before = (out / "manifest.json").stat().st_mtime_ns
     run_teacher(make_config(), out)  # same config: nothing to do
     assert (out / "manifest.json").stat().st_mtime_ns == before
-    with pytest.raises(DatasetError, match="different config"):
+    with pytest.raises(DatasetError, match=r"different config \(teacher.max_new_tokens: 24 -> 5"):
         run_teacher(make_config("teacher.max_new_tokens=5"), out)
 
 

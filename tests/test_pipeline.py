@@ -1,0 +1,49 @@
+"""The experiment configs and the one-command pipeline."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conf.entrypoints import run_stages
+
+from conftest import make_config
+
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_resolves(name):
+    cfg = make_config(f"experiment={name}")
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["name"] == name
+    assert resolved["drafter"]["block_size"] >= 2
+
+
+def test_qwen3_8b_is_the_paper_scale_recipe():
+    cfg = make_config("experiment=qwen3_8b")
+    assert cfg.target.kind == "hf" and cfg.target.path == "Qwen/Qwen3-8B"
+    assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.teacher.num_taps) == (5, 16, 5)
+
+
+@pytest.mark.parametrize("name", ["smollm2_quick", "smollm2_ref"])
+def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
+    cfg = make_config(f"experiment={name}", "data.num_samples=3", "teacher.max_new_tokens=6", "trainer.steps=1",
+                      "trainer.heldout_samples=1", "trainer.batch_sequences=2", "logger=none")
+    out = run_stages(cfg, tmp_path, ["teacher", "train"])
+    manifest = json.loads((out["teacher"] / "manifest.json").read_text())
+    assert manifest["layer_ids"] == [1, 8, 14, 20, 27] and manifest["num_samples"] == 3
+    assert (out["train"] / "export" / "model.safetensors").is_file()
+
+
+def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
+    cfg = make_config()
+    out = run_stages(cfg, tmp_path, ["teacher", "train", "eval"])
+    assert (out["teacher"] / "manifest.json").is_file()
+    assert (out["train"] / "export" / "config.json").is_file()
+    assert (out["eval"] / "eval_results.json").is_file()
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    run_stages(cfg, tmp_path, ["teacher", "train", "eval"])
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == stamps
