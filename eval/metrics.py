@@ -2,12 +2,14 @@
 
 a_k       per-position conditional acceptance: P(draft k accepted | drafts 1..k-1 accepted), k = 1..B-1
 tau       acceptance length: mean over verify rounds of (accepted + 1), the bonus token included
-tau_sim   offline (teacher-forced) estimate: 1 + sum_k prod_{j<=k} a_j
+tau_offline  simulated from teacher-forced a_k: 1 + sum_k prod_{j<=k} a_j
 recall@K  per position: the target token is in the drafter's top-K, given positions 1..k-1 were correct (top-1)
 """
 from __future__ import annotations
 
 import torch
+
+from data.blocks import pack_blocks
 
 
 def conditional_acceptance(correct: torch.Tensor, valid: torch.Tensor) -> tuple[list[float], list[int]]:
@@ -69,3 +71,38 @@ def accepted_length_stats(accepted: list[int], block_size: int) -> dict:
         a.append(sum(hist[k:]) / reached if reached else 0.0)
     return {"rounds": rounds, "tau": (sum(accepted) + rounds) / rounds if rounds else 0.0, "a_k": a,
             "accepted_hist": hist}
+
+
+@torch.no_grad()
+def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, ks: list[int],
+                    chunk: int = 64) -> dict:
+    """Teacher-forced a_k, Recall@K and tau_offline over every anchor of `items` (input_ids, loss_mask, features).
+
+    Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
+    """
+    device = drafter.norm.weight.device
+    vocab = drafter.config.vocab_size
+    to_column = torch.arange(vocab, device=device)
+    columns = vocab
+    if drafter.draft_to_target is not None:
+        columns = len(drafter.draft_to_target)
+        to_column = torch.full((vocab,), -1, dtype=torch.long, device=device)
+        to_column[drafter.draft_to_target] = torch.arange(columns, device=device)
+    kmax = min(max(ks), columns)
+    tops, labels, valids = [], [], []
+    for it in items:
+        b = pack_blocks([it], block_size=block_size, mask_token_id=drafter.config.mask_token_id,
+                        anchors_per_sequence=None)
+        b = {k: v.to(device) for k, v in b.items()}
+        hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
+                                        b["anchor_valid"])  # (1, Nb, B, H)
+        keep = b["anchor_valid"]
+        h = hidden[keep][:, 1:]  # (N, B-1, H)
+        tops += [drafter.logits(part).topk(kmax, dim=-1).indices for part in h.split(chunk)]  # (n, B-1, kmax)
+        labels.append(to_column[b["labels"][keep]])
+        valids.append(b["label_valid"][keep])
+    top, label, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
+    a, counts = conditional_acceptance(top[..., 0] == label, valid)
+    rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
+    return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
+            "recall": {str(k): v for k, v in rec.items()}, "blocks": int(top.shape[0]), "sequences": len(items)}

@@ -25,13 +25,12 @@ import torch
 from omegaconf import DictConfig
 
 from conf.stages import config_hash
-from data.blocks import pack_blocks
 from data.shards import TeacherDataset
 from data.sources import load_conversations
 from data.teacher import chat_segments
 from eval import report
 from eval.decode import METHODS, autoregressive, make_method, speculative
-from eval.metrics import accepted_length_stats, conditional_acceptance, recall_at_k, simulated_tau
+from eval.metrics import accepted_length_stats, offline_metrics
 from models.drafter import DFlashDrafter
 from models.generation import capture
 from models.target import Target, load_target
@@ -126,41 +125,6 @@ def load_drafter(cfg: DictConfig, out: Path, target: Target) -> tuple[DFlashDraf
 
 
 # -- offline metrics ---------------------------------------------------------------------------------------------
-@torch.no_grad()
-def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, ks: list[int],
-                    chunk: int = 64) -> dict:
-    """Teacher-forced a_k, Recall@K and tau_offline over every anchor of `items` (input_ids, loss_mask, features).
-
-    Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
-    """
-    device = drafter.norm.weight.device
-    vocab = drafter.config.vocab_size
-    to_column = torch.arange(vocab, device=device)
-    columns = vocab
-    if drafter.draft_to_target is not None:
-        columns = len(drafter.draft_to_target)
-        to_column = torch.full((vocab,), -1, dtype=torch.long, device=device)
-        to_column[drafter.draft_to_target] = torch.arange(columns, device=device)
-    kmax = min(max(ks), columns)
-    tops, labels, valids = [], [], []
-    for it in items:
-        b = pack_blocks([it], block_size=block_size, mask_token_id=drafter.config.mask_token_id,
-                        anchors_per_sequence=None)
-        b = {k: v.to(device) for k, v in b.items()}
-        hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
-                                        b["anchor_valid"])  # (1, Nb, B, H)
-        keep = b["anchor_valid"]
-        h = hidden[keep][:, 1:]  # (N, B-1, H)
-        tops += [drafter.logits(part).topk(kmax, dim=-1).indices for part in h.split(chunk)]  # (n, B-1, kmax)
-        labels.append(to_column[b["labels"][keep]])
-        valids.append(b["label_valid"][keep])
-    top, label, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
-    a, counts = conditional_acceptance(top[..., 0] == label, valid)
-    rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
-    return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
-            "recall": {str(k): v for k, v in rec.items()}, "blocks": int(top.shape[0]), "sequences": len(items)}
-
-
 def reply_items(target: Target, layer_ids: list[int], seqs: list[tuple[list[int], list[int]]]) -> list[dict]:
     """(prompt ids, reply ids) pairs as teacher-style items: features captured now, loss mask on the reply."""
     items = []

@@ -13,8 +13,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import eval.decode as decode
 from conf.stages import config_hash
 from eval.decode import Proposal, autoregressive, crop_cache, speculative
-from eval.metrics import accepted_length_stats, conditional_acceptance, recall_at_k, simulated_tau
-from eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, offline_metrics, run_eval, run_online
+from eval.metrics import accepted_length_stats, conditional_acceptance, offline_metrics, recall_at_k, simulated_tau
+from eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
 from models.drafter import DFlashDrafter, DFlashDrafterConfig
 from models.generation import generate
 from models.target import load_target

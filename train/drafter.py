@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from data.blocks import pack_blocks
 from data.shards import DatasetError, TeacherDataset
-from eval.metrics import conditional_acceptance, recall_at_k, simulated_tau
+from eval.metrics import offline_metrics
 from models.drafter import DFlashDrafter, DFlashDrafterConfig
 from models.generation import capture
 from models.target import Target, load_target
@@ -153,23 +153,23 @@ class DrafterComponent:
             out.append(self.train_idx[int(perm[j])])
         return out
 
-    def batch(self, indices: list[int], step: int | None, slot0: int = 0) -> dict:
-        """Pack sequences into blocks. Training (step given): anchors drawn per (step, slot in the global batch), so
-        any split of the global batch over processes and micro-batches draws the same anchors. Evaluation (step
-        None): every anchor."""
+    def items(self, indices: list[int]) -> list[dict]:
+        """Teacher samples; with trainer.online the features come from the target now instead of from disk."""
         items = [self.data[i] for i in indices]
-        if self.cfg.trainer.online:  # features from the target now, not from disk
+        if self.cfg.trainer.online:
             outs = capture(self.target.model, [it["input_ids"].tolist() for it in items], self.data.layer_ids,
                            pad_id=self.target.tokenizer.pad_token_id)
             for it, o in zip(items, outs):
                 it["features"] = o["features"].cpu()
-        gens = per_seq = None
-        if step is not None:
-            per_seq = self.cfg.trainer.anchors_per_sequence
-            gens = [torch.Generator().manual_seed(step_seed(self.cfg.seed, "anchors", step, slot0 + s))
-                    for s in range(len(items))]
-        return pack_blocks(items, block_size=self.block_size, mask_token_id=self.dconf.mask_token_id,
-                           anchors_per_sequence=per_seq, generators=gens)
+        return items
+
+    def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:
+        """Pack sequences into blocks. Anchors are drawn per (step, slot in the global batch), so any split of the
+        global batch over processes and micro-batches draws the same anchors."""
+        gens = [torch.Generator().manual_seed(step_seed(self.cfg.seed, "anchors", step, slot0 + s))
+                for s in range(len(indices))]
+        return pack_blocks(self.items(indices), block_size=self.block_size, mask_token_id=self.dconf.mask_token_id,
+                           anchors_per_sequence=self.cfg.trainer.anchors_per_sequence, generators=gens)
 
     def normaliser(self, batch: dict) -> float:
         """The loss normaliser of a batch, known before the forward (so it can be summed across processes)."""
@@ -206,24 +206,15 @@ class DrafterComponent:
         return loss_sum, {"correct": correct, "valid": valid}
 
     # -- evaluation ------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, model, indices: list[int] | None = None, ks=(1, 4, 16)) -> dict:
-        """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K, simulated tau."""
+    def evaluate(self, model, indices: list[int] | None = None) -> dict:
+        """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K, tau_offline."""
         drafter = getattr(model, "module", model)
         was_training = drafter.training
         drafter.eval()
-        tops, labels, valids = [], [], []
-        for i in indices if indices is not None else self.heldout_idx:
-            logits, lab, valid = self.forward_logits(drafter, self.batch([i], None))
-            tops.append(logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices)
-            labels.append(lab)
-            valids.append(valid)  # a label outside the draft vocabulary (-1) stays valid: it counts as a miss
+        items = self.items(indices if indices is not None else self.heldout_idx)
+        result = offline_metrics(drafter, items, self.block_size, list(self.cfg.eval.recall_k))
         drafter.train(was_training)
-        top, label, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
-        a, counts = conditional_acceptance(top[..., 0] == label, valid)
-        rec = recall_at_k(top, label, valid, list(ks))
-        return {"a_k": a, "blocks_at_k": counts, "tau_sim": simulated_tau(a),
-                "recall": {str(k): v for k, v in rec.items()}, "blocks": int(top.shape[0])}
+        return result
 
     # -- export ----------------------------------------------------------------------------------------------
     def export(self, model, folder: Path) -> Path:

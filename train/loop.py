@@ -137,7 +137,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
             if accelerator.is_main_process:
                 metrics["heldout"] = comp.evaluate(model)
                 h = metrics["heldout"]
-                log.info("held-out a_k %s tau_sim %.3f", [round(x, 3) for x in h["a_k"]], h["tau_sim"])
+                log.info("held-out a_k %s tau_offline %.3f", [round(x, 3) for x in h["a_k"]], h["tau_offline"])
             clock = time.perf_counter()
         logger.log(metrics, step + 1)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
