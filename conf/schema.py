@@ -87,6 +87,7 @@ class DrafterConfig:
     head_dim: Optional[int] = None
     block_size: int = 16
     mask_token_id: Optional[int] = None  # None: chosen from the tokenizer (see README)
+    init: str = "random"  # random | target: layers and final norm copied from the target's last layers
 
 
 @dataclass

@@ -157,18 +157,23 @@ def test_wrong_component_and_mismatched_dataset_fail_clearly(tiny_teacher, tmp_p
 
 
 def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path):
-    """accelerate launch with 2 CPU processes (gloo) and the same global batch gives the same losses."""
-    def launch(n: int, run_dir: Path):
+    """accelerate launch with 2 CPU processes (gloo) and the same global batch gives the same losses, and a
+    1-process run resumed on 2 processes continues that curve."""
+    def launch(n: int, run_dir: Path, *extra: str):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no"]
         cmd += ["--multi_gpu"] if n > 1 else []
-        cmd += ["-m", "train", "experiment=tiny", f"hydra.run.dir={run_dir}",
-                f"trainer.data_dir={tiny_teacher}", "trainer.steps=3", "trainer.eval_every=100"]
+        cmd += ["-m", "train", "experiment=tiny", f"hydra.run.dir={run_dir}", f"trainer.data_dir={tiny_teacher}",
+                "trainer.eval_every=100", "trainer.save_every=2", *extra]
         env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parents[1])
         assert proc.returncode == 0, proc.stderr[-3000:]
         return losses(run_dir / "train")
 
-    one, two = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
-    assert len(one) == len(two) == 3
+    one = launch(1, tmp_path / "one", "trainer.steps=4")
+    two = launch(2, tmp_path / "two", "trainer.steps=4")
+    assert len(one) == len(two) == 4
     assert two == pytest.approx(one, rel=1e-4)
+    launch(1, tmp_path / "switch", "trainer.steps=2")
+    switched = launch(2, tmp_path / "switch", "trainer.steps=4", "trainer.resume=true")
+    assert switched == pytest.approx(one, rel=1e-4)

@@ -19,6 +19,7 @@ from eval.metrics import offline_metrics
 from models.drafter import DFlashDrafter, DFlashDrafterConfig
 from models.generation import capture
 from models.target import Target, load_target
+from train.errors import TrainError
 from train.losses import block_loss, default_gamma, effective_valid, normaliser
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def choose_mask_token(tokenizer, vocab_size: int) -> int:
     special += [i for i, t in added.items() if getattr(t, "special", False) and i not in reserved]
     usable = sorted({i for i in special if tokenizer.convert_ids_to_tokens(i) not in template})
     if not usable:
-        raise ValueError("no unused special token to serve as the MASK token; set drafter.mask_token_id")
+        raise TrainError("no unused special token to serve as the MASK token; set drafter.mask_token_id")
     return usable[-1]
 
 
@@ -72,6 +73,22 @@ def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFl
         mask_token_id=d.mask_token_id if d.mask_token_id is not None else choose_mask_token(
             target.tokenizer, tc.vocab_size),
     )
+
+
+def init_from_target(drafter: DFlashDrafter, target_model) -> None:
+    """Start the drafter's layers from the target's last layers and its final norm from the target's: the drafter
+    then begins as a shallow continuation of the target instead of a random map (q_norm/k_norm stay at one)."""
+    source = target_model.model.layers[-len(drafter.layers):]
+    with torch.no_grad():
+        for dst, src in zip(drafter.layers, source):
+            theirs = dict(src.named_parameters())
+            for name, p in dst.named_parameters():
+                if name in theirs:
+                    if theirs[name].shape != p.shape:
+                        raise TrainError(f"drafter.init=target needs the target's layer shapes: {name} is "
+                                         f"{tuple(p.shape)} here, {tuple(theirs[name].shape)} in the target")
+                    p.copy_(theirs[name])
+        drafter.norm.weight.copy_(target_model.model.norm.weight)
 
 
 def split_heldout(ids: list[str], num_heldout: int) -> tuple[list[int], list[int]]:
@@ -112,6 +129,10 @@ class DrafterComponent:
         self.target.model.to(device)
         self.model = DFlashDrafter(self.dconf, self.target.model.get_input_embeddings(),
                                    self.target.model.get_output_embeddings())
+        if cfg.drafter.init == "target":
+            init_from_target(self.model, self.target.model)
+        elif cfg.drafter.init != "random":
+            raise TrainError(f"unknown drafter.init {cfg.drafter.init!r}; use random or target")
         if t.draft_vocab_size:
             self.model.set_draft_vocab(self.frequent_tokens(t.draft_vocab_size))
         self.model.to(device)

@@ -22,13 +22,11 @@ from omegaconf import DictConfig
 
 from conf.stages import config_hash
 from eval.metrics import conditional_acceptance
+from train.errors import TrainError
 from train.logger import RunLogger
+from train.losses import LOSSES
 
 log = logging.getLogger(__name__)
-
-
-class TrainError(Exception):
-    """A training run that cannot start, with the fix in the message."""
 
 
 def components() -> dict:
@@ -56,13 +54,18 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     registry = components()
     if t.component not in registry:
         raise TrainError(f"unknown trainer.component {t.component!r}; available: {', '.join(sorted(registry))}")
+    if t.loss not in LOSSES:
+        raise TrainError(f"unknown trainer.loss {t.loss!r}; use one of {', '.join(LOSSES)}")
+    if cfg.logger.kind not in ("wandb", "none"):
+        raise TrainError(f"unknown logger.kind {cfg.logger.kind!r}; use wandb or none")
     digest = config_hash(cfg, "train")
     done = out / "done.json"
     if done.is_file() and json.loads(done.read_text())["config_hash"] == digest and not t.resume:
         log.info("training already complete at %s (config %s): skipping", out, digest)
         return out
-    if done.is_file() and json.loads(done.read_text())["config_hash"] != digest:
-        raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name")
+    if done.is_file() and json.loads(done.read_text())["config_hash"] != digest and not t.resume:
+        raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
+                         "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
 
     # step_scheduler_with_optimizer=False: our schedule counts optimizer steps, whatever the number of processes
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,

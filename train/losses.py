@@ -10,6 +10,9 @@ import math
 import torch
 
 
+LOSSES = ("decay", "dpace", "kl")
+
+
 def default_gamma(block_size: int) -> float:
     """The DFlash paper's decay constant: 7 for B=16, 5 for B=10, 4 for B=8 (interpolated in between)."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 0.45 * block_size))
@@ -59,7 +62,7 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
     "kl" (KL(target || draft) on the target's stored top-k, renormalised, with decay weights; needs
     teacher_ids/teacher_logprobs (N, P, k) in logit-column space, -1 for ids outside the draft vocabulary).
     """
-    if kind not in ("decay", "dpace", "kl"):
+    if kind not in LOSSES:
         raise ValueError(f"unknown trainer.loss {kind!r}; use decay, dpace or kl")
     if kind == "kl" and (teacher_ids is None or teacher_logprobs is None):
         raise ValueError("trainer.loss=kl needs the target's top-k log-probs: set teacher.topk_logprobs > 0")
