@@ -81,13 +81,8 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
     Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
     """
     device = drafter.norm.weight.device
-    vocab = drafter.config.vocab_size
-    to_column = torch.arange(vocab, device=device)
-    columns = vocab
-    if drafter.draft_to_target is not None:
-        columns = len(drafter.draft_to_target)
-        to_column = torch.full((vocab,), -1, dtype=torch.long, device=device)
-        to_column[drafter.draft_to_target] = torch.arange(columns, device=device)
+    to_column = drafter.target_to_column()
+    columns = drafter.config.vocab_size if drafter.draft_to_target is None else len(drafter.draft_to_target)
     kmax = min(max(ks), columns)
     tops, labels, valids = [], [], []
     for it in items:

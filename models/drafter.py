@@ -300,6 +300,15 @@ class DFlashDrafter(nn.Module):
         """Map logit column indices to target token ids (identity with the full vocabulary)."""
         return idx if self.draft_to_target is None else self.draft_to_target[idx]
 
+    def target_to_column(self) -> torch.Tensor:
+        """(V,) logit column of each target id; -1 for ids outside the draft vocabulary (identity without one)."""
+        device = self.norm.weight.device
+        if self.draft_to_target is None:
+            return torch.arange(self.config.vocab_size, device=device)
+        col = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=device)
+        col[self.draft_to_target] = torch.arange(len(self.draft_to_target), device=device)
+        return col
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H), as returned by forward_* (final norm applied) -> logits (..., V) or (..., Vd)."""
         weight, bias = self.lm_head.weight, self.lm_head.bias

@@ -136,12 +136,7 @@ class DrafterComponent:
         if t.draft_vocab_size:
             self.model.set_draft_vocab(self.frequent_tokens(t.draft_vocab_size))
         self.model.to(device)
-        vocab = self.dconf.vocab_size
-        # target id -> logit column (-1: outside the draft vocabulary)
-        self.to_column = torch.arange(vocab, device=device)
-        if self.model.draft_to_target is not None:
-            self.to_column = torch.full((vocab,), -1, dtype=torch.long, device=device)
-            self.to_column[self.model.draft_to_target] = torch.arange(len(self.model.draft_to_target), device=device)
+        self.to_column = self.model.target_to_column()
         log.info("drafter: %d layers, hidden %d, block %d, taps %s, mask token %d, %s vocabulary; %d train / %d "
                  "held-out sequences, %.1fM trainable parameters", self.dconf.num_hidden_layers,
                  self.dconf.hidden_size, self.block_size, self.dconf.target_layer_ids, self.dconf.mask_token_id,

@@ -130,8 +130,11 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         metrics = {"loss": loss}
         if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
             elapsed = time.perf_counter() - clock
-            a, _ = conditional_acceptance(torch.cat(corrects), torch.cat(valids))
+            correct, valid = torch.cat(corrects), torch.cat(valids)
+            a, _ = conditional_acceptance(correct, valid)
+            acc = ((correct & valid).sum(0) / valid.sum(0).clamp(min=1)).tolist()  # unconditional, per position
             metrics.update({"lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "train_a_k": a,
+                            "train_acc_k": acc,
                             "anchor_blocks_per_s": blocks_seen / elapsed, "tokens_per_s": tokens_seen / elapsed})
             clock, blocks_seen, tokens_seen = time.perf_counter(), 0, 0
             log.info("step %d/%d loss %.4f a_1 %.3f lr %.2e grad %.2f %.1f blocks/s", step + 1, t.steps, loss, a[0],
