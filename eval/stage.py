@@ -40,9 +40,9 @@ from train.logger import RunLogger
 log = logging.getLogger(__name__)
 
 RESULTS = "eval_results.json"
-BUILTIN = {
-    "mtbench": {"source": "mtbench"},
-    "humaneval": {"source": "humaneval"},
+BUILTIN = {  # benchmark sets are used whole; the ShareGPT train/held-out split applies only to "heldout"
+    "mtbench": {"source": "mtbench", "split": "all"},
+    "humaneval": {"source": "humaneval", "split": "all"},
     "heldout": {"source": "sharegpt", "split": "heldout"},
 }
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -83,9 +83,9 @@ def dataset_source(name: str) -> tuple[str, dict]:
     if name in BUILTIN:
         return name, dict(BUILTIN[name])
     if name.startswith("hf:"):
-        return name[3:].replace("/", "_"), {"source": "hf", "path": name[3:]}
+        return name[3:].replace("/", "_"), {"source": "hf", "path": name[3:], "split": "all"}
     if name.lower().endswith(FILE_SUFFIXES):
-        return Path(name).stem, {"source": "file", "path": name}
+        return Path(name).stem, {"source": "file", "path": name, "split": "all"}
     raise EvalError(f"unknown eval dataset {name!r}: use {', '.join(BUILTIN)}, a path ending in "
                     f"{'/'.join(FILE_SUFFIXES)}, or hf:<dataset id>")
 
