@@ -68,6 +68,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
                          "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
 
     # step_scheduler_with_optimizer=False: our schedule counts optimizer steps, whatever the number of processes
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per saved file otherwise
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,
                               step_scheduler_with_optimizer=False)
     world, rank = accelerator.num_processes, accelerator.process_index
