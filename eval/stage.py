@@ -32,7 +32,7 @@ from eval import report
 from eval.decode import METHODS, autoregressive, make_method, speculative
 from eval.metrics import accepted_length_stats, offline_metrics
 from models.drafter import DFlashDrafter
-from models.generation import capture
+from models.generation import recapture
 from models.target import Target, load_target
 from train.drafter import split_heldout, step_seed
 from train.logger import RunLogger
@@ -127,14 +127,10 @@ def load_drafter(cfg: DictConfig, out: Path, target: Target) -> tuple[DFlashDraf
 # -- offline metrics ---------------------------------------------------------------------------------------------
 def reply_items(target: Target, layer_ids: list[int], seqs: list[tuple[list[int], list[int]]]) -> list[dict]:
     """(prompt ids, reply ids) pairs as teacher-style items: features captured now, loss mask on the reply."""
-    items = []
-    for prompt, reply in seqs:
-        ids = prompt + reply
-        feats = capture(target.model, [ids], layer_ids, pad_id=target.tokenizer.pad_token_id)[0]["features"]
-        items.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(reply),
-                                                                                dtype=torch.bool),
-                      "features": feats.cpu()})
-    return items
+    items = [{"input_ids": torch.tensor(prompt + reply),
+              "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(reply), dtype=torch.bool)}
+             for prompt, reply in seqs]
+    return recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id)
 
 
 def teacher_heldout_items(cfg: DictConfig, out: Path, drafter_dir: Path, target: Target,
@@ -153,10 +149,7 @@ def teacher_heldout_items(cfg: DictConfig, out: Path, drafter_dir: Path, target:
     _, held = split_heldout(data.ids, cfg.trainer.heldout_samples)
     items = [data[i] for i in held]
     if data.layer_ids != layer_ids:  # stored features tap other layers: capture the drafter's now
-        fresh = capture(target.model, [it["input_ids"].tolist() for it in items], layer_ids,
-                        pad_id=target.tokenizer.pad_token_id)
-        for it, f in zip(items, fresh):
-            it["features"] = f["features"].cpu()
+        recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id)
     return items, f"{len(items)} held-out sequences of {data_dir}"
 
 

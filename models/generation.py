@@ -105,3 +105,12 @@ def capture(
             item["topk_ids"] = torch.cat([idx.new_zeros(1, topk), idx])
         results.append(item)
     return results
+
+
+def recapture(model, items: list[dict], layer_ids: list[int], *, pad_id: int) -> list[dict]:
+    """Replace the stored features of teacher-style items (input_ids (T,)) with features captured now, on the CPU:
+    for training with the target in the loop, or for a drafter that taps other layers than the stored ones."""
+    outs = capture(model, [it["input_ids"].tolist() for it in items], layer_ids, pad_id=pad_id)
+    for it, o in zip(items, outs):
+        it["features"] = o["features"].cpu()
+    return items

@@ -5,6 +5,7 @@ evaluation and an export. Later components (selector, jump heads, Weaver) bring 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections import Counter
@@ -17,7 +18,7 @@ from data.blocks import pack_blocks
 from data.shards import DatasetError, TeacherDataset
 from eval.metrics import offline_metrics
 from models.drafter import DFlashDrafter, DFlashDrafterConfig
-from models.generation import capture
+from models.generation import recapture
 from models.target import Target, load_target
 from train.errors import TrainError
 from train.losses import block_loss, default_gamma, effective_valid, normaliser
@@ -165,18 +166,20 @@ class DrafterComponent:
         out = []
         for pos in range(step * bs, (step + 1) * bs):
             epoch, j = divmod(pos, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(self.cfg.seed, "epoch", epoch)))
-            out.append(self.train_idx[int(perm[j])])
+            out.append(self.train_idx[int(self._epoch_order(epoch)[j])])
         return out
+
+    @functools.lru_cache(maxsize=2)
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        """The shuffled order of the training split in `epoch` (a function of seed and epoch only)."""
+        gen = torch.Generator().manual_seed(step_seed(self.cfg.seed, "epoch", epoch))
+        return torch.randperm(len(self.train_idx), generator=gen)
 
     def items(self, indices: list[int]) -> list[dict]:
         """Teacher samples; with trainer.online the features come from the target now instead of from disk."""
         items = [self.data[i] for i in indices]
         if self.cfg.trainer.online:
-            outs = capture(self.target.model, [it["input_ids"].tolist() for it in items], self.data.layer_ids,
-                           pad_id=self.target.tokenizer.pad_token_id)
-            for it, o in zip(items, outs):
-                it["features"] = o["features"].cpu()
+            recapture(self.target.model, items, self.data.layer_ids, pad_id=self.target.tokenizer.pad_token_id)
         return items
 
     def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:
