@@ -5,12 +5,15 @@ finds the output of the one before it without extra arguments.
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from conf.schema import register
@@ -29,63 +32,150 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (DatasetError, DataSourceError, TargetError, TrainError, EvalError)
 
 
-def _run_dir() -> Path:
-    return Path(HydraConfig.get().runtime.output_dir)
+def _job_dirs() -> tuple[Path, Path | None]:
+    """(this job's run directory, the experiment's run directory when the job is one of a sweep)."""
+    hc = HydraConfig.get()
+    shared = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+    return Path(hc.runtime.output_dir), shared
 
 
 def _guard(fn):
-    """Run a stage; a user error becomes one line on stderr and exit status 2."""
+    """Run a stage; a user error becomes one line on stderr and exit status 2. Returns the job's objective (for
+    sweepers such as Optuna), and leaves accelerate's per-process state clean for the next job of a sweep."""
 
-    def wrapped(cfg: DictConfig) -> None:
+    def wrapped(cfg: DictConfig):
+        _export_slurm_distributed_env()
         try:
-            fn(cfg)
+            return fn(cfg)
         except _user_errors() as e:
             log.error("%s", e)
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        finally:
+            _reset_accelerate()
 
     wrapped.__name__ = fn.__name__
     wrapped.__doc__ = fn.__doc__
     return wrapped
 
 
-def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str]) -> dict[str, Path]:
-    """Run the named stages in order; each skips itself when its output exists for the same config."""
-    from conf.stages import stage_dir
+def _reset_accelerate() -> None:
+    """A sweep runs its jobs in one process: forget this job's mixed precision etc., keep the process group."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+def _export_slurm_distributed_env() -> None:
+    """Under the submitit launcher with several tasks per job, give torch.distributed (and so accelerate) the
+    RANK / WORLD_SIZE / MASTER_ADDR it reads; SLURM only sets its own variables."""
+    import os
+
+    if "SUBMITIT_EXECUTOR" not in os.environ or "RANK" in os.environ:
+        return
+    import submitit
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if submitit.JobEnvironment().num_tasks > 1:  # accelerate picks cuda:LOCAL_RANK, so keep all GPUs visible
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Path | None = None) -> dict[str, Path]:
+    """Run the named stages in order; each skips itself when its output exists for the same config.
+
+    shared_dir: the experiment's run directory when this is a job of a sweep (see conf.stages.stage_dirs).
+    """
+    from conf.stages import stage_dirs
     from data.teacher import run_teacher
     from eval.stage import run_eval
     from train.loop import run_train
 
-    runners = {"teacher": run_teacher, "train": run_train, "eval": run_eval}
+    dirs = stage_dirs(cfg, run_dir, shared_dir)
     outputs = {}
     for stage in stages:
-        outputs[stage] = runners[stage](cfg, stage_dir(cfg, stage, run_dir))
+        if stage == "teacher" and cfg.trainer.data_dir:
+            log.info("teacher: using the dataset given by trainer.data_dir=%s", cfg.trainer.data_dir)
+        elif stage == "teacher" and shared_dir is not None:
+            with _sweep_lock(dirs["teacher"]):  # parallel jobs of a sweep: one generates, the others then skip
+                run_teacher(cfg, dirs["teacher"])
+        elif stage == "teacher":
+            run_teacher(cfg, dirs["teacher"])
+        elif stage == "train":
+            run_train(cfg, dirs["train"], data_dir=dirs["teacher"])
+        elif stage == "eval":
+            run_eval(cfg, dirs["eval"], teacher_dir=dirs["teacher"], train_dir=dirs["train"])
+        else:
+            raise ValueError(f"unknown stage {stage!r}")
+        outputs[stage] = dirs[stage]
     return outputs
+
+
+@contextmanager
+def _sweep_lock(folder: Path):
+    """An exclusive file lock next to `folder`, held by the main process of the job only (its other processes
+    wait at the barrier, so that all of them look at the folder after the lock holder does)."""
+    from accelerate import PartialState
+    from filelock import FileLock
+
+    state = PartialState()
+    if state.is_main_process:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder) + ".lock"):
+            state.wait_for_everyone()
+            yield
+            state.wait_for_everyone()
+    else:
+        state.wait_for_everyone()
+        yield
+        state.wait_for_everyone()
+
+
+def objective(outputs: dict[str, Path]) -> float | None:
+    """What a sweeper optimises: the held-out simulated tau (tau_offline on held-out teacher sequences), from the
+    eval stage when it ran, else from the training run's last held-out evaluation."""
+    results = outputs.get("eval")
+    if results is not None and (results / "eval_results.json").is_file():
+        held = json.loads((results / "eval_results.json").read_text())["offline"].get("teacher_heldout")
+        if held:
+            return float(held["tau_offline"])
+    train = outputs.get("train")
+    if train is not None and (train / "metrics.jsonl").is_file():
+        rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
+        held = [r["heldout"] for r in rows if "heldout" in r]
+        if held:
+            return float(held[-1]["tau_offline"])
+    return None
+
+
+def _run(cfg: DictConfig, stages: list[str]) -> float | None:
+    run_dir, shared = _job_dirs()
+    return objective(run_stages(cfg, run_dir, stages, shared))
 
 
 @hydra.main(config_path=".", config_name="config", version_base=None)
 @_guard
 def teacher(cfg: DictConfig) -> None:
     """dflash-teacher: regenerate replies with the target and store its features."""
-    run_stages(cfg, _run_dir(), ["teacher"])
+    _run(cfg, ["teacher"])
 
 
 @hydra.main(config_path=".", config_name="config", version_base=None)
 @_guard
-def train(cfg: DictConfig) -> None:
+def train(cfg: DictConfig) -> float | None:
     """dflash-train: train a component on the teacher dataset."""
-    run_stages(cfg, _run_dir(), ["train"])
+    return _run(cfg, ["train"])
 
 
 @hydra.main(config_path=".", config_name="config", version_base=None)
 @_guard
-def evaluate(cfg: DictConfig) -> None:
+def evaluate(cfg: DictConfig) -> float | None:
     """dflash-eval: acceptance offline and with real verification."""
-    run_stages(cfg, _run_dir(), ["eval"])
+    return _run(cfg, ["eval"])
 
 
 @hydra.main(config_path=".", config_name="config", version_base=None)
 @_guard
-def pipeline(cfg: DictConfig) -> None:
+def pipeline(cfg: DictConfig) -> float | None:
     """dflash-pipeline: teacher -> train -> eval for one experiment."""
-    run_stages(cfg, _run_dir(), ["teacher", "train", "eval"])
+    return _run(cfg, ["teacher", "train", "eval"])

@@ -6,10 +6,11 @@ fails when the config is composed, before any work starts, with Hydra's message 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -112,7 +113,7 @@ class TrainerConfig:
     heldout_samples: int = 16  # teacher sequences kept out of training for held-out metrics
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     online: bool = False  # features from the target in the loop instead of the stored teacher features
-    resume: bool = False
+    resume: bool = False  # a killed run of the same config always resumes; true: also from another config's
     save_every: int = 50
     keep_checkpoints: int = 2
     eval_every: int = 50
@@ -167,10 +168,17 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+def _mkdir(path: str) -> str:
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def register() -> None:
     """Register the schema: `base_config` for the root, `<group>/base` for each group's YAML files to extend."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    # ${mkdir:path} -> path, created: for files opened before Hydra makes the sweep folder (the Optuna study).
+    OmegaConf.register_new_resolver("mkdir", _mkdir, replace=True)
     for group, node in [
         ("target", TargetConfig),
         ("data", DataConfig),

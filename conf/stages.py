@@ -41,3 +41,34 @@ def stage_dir(cfg: DictConfig, stage: str, run_dir: str | Path) -> Path:
     """Where a stage writes: <run_dir>/<stage>.out_dir unless out_dir is absolute."""
     section = {"teacher": cfg.teacher, "train": cfg.trainer, "eval": cfg.eval}[stage]
     return Path(run_dir) / section.out_dir
+
+
+def recorded_hash(cfg: DictConfig, stage: str, folder: Path) -> str | None:
+    """The config hash a stage's output folder was made (or started) with; None when there is none."""
+    marker = {"teacher": "plan.json", "train": "done.json", "eval": "eval_results.json"}[stage]
+    try:
+        return json.loads((folder / marker).read_text()).get("config_hash")
+    except (OSError, ValueError):
+        return None
+
+
+def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | None = None) -> dict[str, Path]:
+    """The folder of every stage for a job in `run_dir`.
+
+    `shared_dir` is the experiment's run directory when the job is one of a sweep: the jobs then share its teacher
+    dataset (generated there by the first job that needs it) and its trained drafter (when one is finished there),
+    as long as that output was made with the config the job asks for. Everything else stays in the job's folder,
+    so jobs that differ in a stage's config never see each other's outputs.
+    """
+    dirs = {stage: stage_dir(cfg, stage, run_dir) for stage in STAGE_SECTIONS}
+    if shared_dir is not None:
+        teacher = stage_dir(cfg, "teacher", shared_dir)
+        if recorded_hash(cfg, "teacher", teacher) in (None, config_hash(cfg, "teacher")):
+            dirs["teacher"] = teacher
+        train = stage_dir(cfg, "train", shared_dir)
+        if not (dirs["train"] / "done.json").is_file() and recorded_hash(cfg, "train", train) == config_hash(cfg,
+                                                                                                              "train"):
+            dirs["train"] = train
+    if cfg.trainer.data_dir:
+        dirs["teacher"] = Path(cfg.trainer.data_dir)
+    return dirs

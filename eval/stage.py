@@ -108,8 +108,8 @@ def load_prompts(name: str, cfg: DictConfig, tokenizer, room: int) -> list[dict]
     return prompts
 
 
-def load_drafter(cfg: DictConfig, out: Path, target: Target) -> tuple[DFlashDrafter, Path]:
-    folder = Path(cfg.eval.drafter_dir) if cfg.eval.drafter_dir else out.parent / cfg.trainer.out_dir / "export"
+def load_drafter(cfg: DictConfig, train_dir: Path, target: Target) -> tuple[DFlashDrafter, Path]:
+    folder = Path(cfg.eval.drafter_dir) if cfg.eval.drafter_dir else train_dir / "export"
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
         raise EvalError(f"no exported drafter at {folder} (config.json + model.safetensors); run dflash-train "
                         "first or set eval.drafter_dir to an exported folder")
@@ -133,10 +133,9 @@ def reply_items(target: Target, layer_ids: list[int], seqs: list[tuple[list[int]
     return recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id)
 
 
-def teacher_heldout_items(cfg: DictConfig, out: Path, drafter_dir: Path, target: Target,
+def teacher_heldout_items(cfg: DictConfig, data_dir: Path, drafter_dir: Path, target: Target,
                           layer_ids: list[int]) -> tuple[list[dict] | None, str]:
     """The training run's held-out teacher sequences, or (None, why not)."""
-    data_dir = Path(cfg.trainer.data_dir) if cfg.trainer.data_dir else out.parent / cfg.teacher.out_dir
     if not (data_dir / "manifest.json").is_file():
         return None, f"no teacher dataset at {data_dir}"
     data = TeacherDataset(data_dir, verify=False)
@@ -240,9 +239,10 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
 
 
 # -- the stage ---------------------------------------------------------------------------------------------------
-def run_eval(cfg: DictConfig, out: Path) -> Path:
-    """Evaluate the exported drafter of this run (or eval.drafter_dir); writes eval_results.json, results.md and
-    acceptance.png in `out`. Skipped when eval_results.json exists for the same config; a different config's
+def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_dir: Path | None = None) -> Path:
+    """Evaluate the exported drafter of `train_dir` (default: this run's train stage; eval.drafter_dir overrides);
+    offline metrics on the held-out part of `teacher_dir` (default: this run's teacher stage). Writes
+    eval_results.json, results.md and acceptance.png in `out`. Skipped when eval_results.json exists for the same config; a different config's
     results are replaced (eval is read-only on its inputs: rerun with another eval.out_dir to keep both)."""
     e = cfg.eval
     digest = config_hash(cfg, "eval")
@@ -264,7 +264,9 @@ def run_eval(cfg: DictConfig, out: Path) -> Path:
     if e.num_threads:
         torch.set_num_threads(e.num_threads)
     try:
-        results = _evaluate(cfg, out, digest, labels)
+        teacher_dir = Path(cfg.trainer.data_dir or teacher_dir or out.parent / cfg.teacher.out_dir)
+        train_dir = Path(train_dir or out.parent / cfg.trainer.out_dir)
+        results = _evaluate(cfg, teacher_dir, train_dir, digest, labels)
     finally:
         torch.set_num_threads(threads)
 
@@ -281,12 +283,12 @@ def run_eval(cfg: DictConfig, out: Path) -> Path:
     return out
 
 
-def _evaluate(cfg: DictConfig, out: Path, digest: str, labels: list[str]) -> dict:
+def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, labels: list[str]) -> dict:
     e = cfg.eval
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, cfg.cache_dir)
     target.model.to(device)
-    drafter, drafter_dir = load_drafter(cfg, out, target)
+    drafter, drafter_dir = load_drafter(cfg, train_dir, target)
     trained_B = drafter.config.block_size
     B = e.block_size or trained_B
     if not 2 <= B <= trained_B:
@@ -310,7 +312,7 @@ def _evaluate(cfg: DictConfig, out: Path, digest: str, labels: list[str]) -> dic
         "offline": {},
         "methods": {m: {} for m in e.methods},
     }
-    items, note = teacher_heldout_items(cfg, out, drafter_dir, target, layer_ids)
+    items, note = teacher_heldout_items(cfg, teacher_dir, drafter_dir, target, layer_ids)
     results["offline"]["teacher_heldout"] = offline_metrics(drafter, items, B, ks) if items else None
     if items:
         log.info("offline on %s: a_k %s tau_offline %.3f", note,

@@ -14,11 +14,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 register()
 
 
-def make_config(*overrides: str):
+def make_config(*overrides: str, return_hydra_config: bool = False):
     """Compose conf/config.yaml with experiment=tiny and the given overrides, as the console scripts do."""
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="conf", version_base=None):
-        return compose(config_name="config", overrides=["experiment=tiny", *overrides])
+        return compose(config_name="config", overrides=["experiment=tiny", *overrides],
+                       return_hydra_config=return_hydra_config)
 
 
 @pytest.fixture(scope="session")

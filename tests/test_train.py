@@ -105,7 +105,7 @@ def test_label_alignment_with_a_perfect_shortcut(component):
     assert aligned > 0.95 and misaligned < 0.1
 
 
-def test_resume_repeats_the_losses_of_an_uninterrupted_run(tiny_teacher, tmp_path, monkeypatch):
+def test_rerun_of_a_killed_run_resumes_and_repeats_the_losses_of_an_uninterrupted_run(tiny_teacher, tmp_path, monkeypatch):
     cfg = make_config("trainer.steps=4", "trainer.save_every=2")
     full = run_train(cfg, tmp_path / "full", data_dir=tiny_teacher)
     real_batch = DrafterComponent.batch
@@ -119,8 +119,7 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(tiny_teacher, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         run_train(cfg, tmp_path / "killed", data_dir=tiny_teacher)
     monkeypatch.setattr(DrafterComponent, "batch", real_batch)
-    resumed = run_train(make_config("trainer.steps=4", "trainer.save_every=2", "trainer.resume=true"),
-                        tmp_path / "killed", data_dir=tiny_teacher)
+    resumed = run_train(cfg, tmp_path / "killed", data_dir=tiny_teacher)  # the same command again continues it
     assert len(losses(resumed)) == 4
     assert losses(resumed) == pytest.approx(losses(full), rel=1e-6)
 

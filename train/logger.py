@@ -24,6 +24,16 @@ def flatten(metrics: dict, prefix: str = "") -> dict:
     return out
 
 
+def run_name(cfg: DictConfig) -> str:
+    """The experiment name, plus the job's overrides when it is one job of a sweep (its folder name)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return f"{cfg.name}/{HydraConfig.get().job.override_dirname}"
+    return cfg.name
+
+
 class RunLogger:
     def __init__(self, cfg: DictConfig, folder: Path, job: str, enabled: bool = True):
         self.enabled = enabled
@@ -39,7 +49,7 @@ class RunLogger:
                 raise RuntimeError("logger=wandb needs the wandb package: pip install wandb (or logger=none)") from e
             mode = cfg.logger.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
             self.wandb = wandb.init(project=cfg.logger.project, group=cfg.logger.group or cfg.name,
-                                    name=f"{cfg.name}-{job}", job_type=job, dir=str(folder), mode=mode,
+                                    name=f"{run_name(cfg)}-{job}", job_type=job, dir=str(folder), mode=mode,
                                     config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous")
         elif cfg.logger.kind != "none":
             raise ValueError(f"unknown logger.kind {cfg.logger.kind!r}; use wandb or none")

@@ -85,12 +85,15 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
 
     ckpt_dir = out / "checkpoints"
     start = 0
-    if t.resume and checkpoints(ckpt_dir):
-        last = checkpoints(ckpt_dir)[-1]
+    last = checkpoints(ckpt_dir)[-1] if checkpoints(ckpt_dir) else None
+    # A checkpoint of this very config (a killed run started again) is always continued: batches are a function of
+    # (seed, step), so this equals the uninterrupted run. trainer.resume=true also continues another config's.
+    same = last is not None and json.loads((last / "step.json").read_text()).get("config_hash") == digest
+    if last is not None and (t.resume or same):
         accelerator.load_state(str(last))
         start = json.loads((last / "step.json").read_text())["step"]
         log.info("resumed from %s at step %d", last, start)
-    elif accelerator.is_main_process and out.exists() and not t.resume:
+    elif accelerator.is_main_process and out.exists():
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # a fresh run: old checkpoints would be misleading
         (out / "metrics.jsonl").unlink(missing_ok=True)
     if accelerator.is_main_process and (out / "metrics.jsonl").is_file():  # drop what was logged after the checkpoint
@@ -148,7 +151,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
             clock = time.perf_counter()
         logger.log(metrics, step + 1)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            save_checkpoint(accelerator, ckpt_dir, step + 1, t.keep_checkpoints)
+            save_checkpoint(accelerator, ckpt_dir, step + 1, t.keep_checkpoints, digest)
 
     if accelerator.is_main_process:
         comp.export(accelerator.unwrap_model(model), out / "export")
@@ -159,12 +162,12 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     return out
 
 
-def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, keep: int) -> None:
+def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, keep: int, digest: str) -> None:
     """Model, optimizer, scheduler and RNG states via accelerate; step.json written last marks it complete."""
     path = folder / f"step-{step:07d}"
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
-        (path / "step.json").write_text(json.dumps({"step": step}))
+        (path / "step.json").write_text(json.dumps({"step": step, "config_hash": digest}))
         for old in checkpoints(folder)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
