@@ -121,9 +121,10 @@ def read_wandb(project: str, group: str | None, api=None) -> list[Run]:
         job = r.job_type or r.name.rsplit("-", 1)[-1]
         label = r.name[: -len(job) - 1] if r.name.endswith(f"-{job}") else r.name
         run = by_name.setdefault(label, Run(label=label))
-        config = {k: v for k, v in flatten(dict(r.config)).items()}
-        run.config = run.config or config
-        s = dict(r.summary)
+        raw = {k: v["value"] if isinstance(v, dict) and set(v) <= {"value", "desc"} and "value" in v else v
+               for k, v in dict(r.config).items()}  # older API versions wrap each value as {"value": ...}
+        run.config = run.config or flatten(raw)
+        s = dict(getattr(r, "summary_metrics", None) or r.summary)
         if job == "train":
             run.train_steps = s.get("_step")
             run.train_tokens_per_s = s.get("tokens_per_s")

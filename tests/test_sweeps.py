@@ -205,3 +205,23 @@ def test_slurm_launcher_and_accelerate_recipes_are_valid():
         c = ClusterConfig.from_yaml_file(str(path))  # unknown keys raise
         assert c.num_processes >= 2
         assert c.mixed_precision == ("no" if c.use_cpu else "bf16")
+
+
+def test_slurm_launcher_runs_each_job_as_one_distributed_job_per_task(tiny_teacher, tmp_path):
+    """The submitit launcher with 2 tasks per job (its local executor, as SLURM would start them): the tasks form
+    one 2-process accelerate run, which follows the 1-process loss curve."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the sweep extra: pip install -e '.[sweep]'")
+    cmd = [console("dflash-train"), "-m", "experiment=tiny", "hydra/launcher=submitit_local",
+           "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}",
+           f"trainer.data_dir={tiny_teacher}", "trainer.lr=1e-3", "logger=none"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = "".join(p.read_text() for p in tmp_path.glob(".submitit/*/*_log.*"))
+    assert logs.count("train: 2 process(es) (MULTI_CPU)") == 2
+    job = tmp_path / "multirun" / "trainer.lr=0.001"
+    from train.loop import run_train
+
+    one = run_train(make_config("trainer.lr=1e-3", "logger=none"), tmp_path / "one", data_dir=tiny_teacher)
+    losses = [[json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (job / "train", one)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)

@@ -72,6 +72,8 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,
                               step_scheduler_with_optimizer=False)
     world, rank = accelerator.num_processes, accelerator.process_index
+    log.info("train: %d process(es) (%s), device %s, mixed precision %s", world, accelerator.distributed_type.value,
+             accelerator.device, accelerator.mixed_precision)
     if t.batch_sequences % (world * t.grad_accum):
         raise TrainError(f"trainer.batch_sequences={t.batch_sequences} must be divisible by processes x grad_accum "
                          f"= {world} x {t.grad_accum}")
