@@ -36,7 +36,7 @@ class Run:
     heldout_tau: float | None = None  # held-out teacher tau_offline (eval stage, else the last training eval)
     train_tokens_per_s: float | None = None  # median over the logged training windows
     train_steps: int | None = None
-    online: dict = field(default_factory=dict)  # dataset -> {tau_offline, tau_online, speedup, a_k_online, exact}
+    online: dict = field(default_factory=dict)  # "method/dataset" -> tau_offline, tau_online, speedup, a_k_online, exact
     heldout_a_k: list[float] | None = None
 
 
@@ -87,11 +87,10 @@ def read_run(folder: Path) -> Run:
         held = results["offline"].get("teacher_heldout")
         if held:
             run.heldout_tau, run.heldout_a_k = held["tau_offline"], held["a_k"]
-        for per in results["methods"].values():  # the first method (chain) is the one the table shows
+        for m, per in results["methods"].items():
             for ds, r in per.items():
-                run.online[ds] = {k: r.get(k) for k in ("tau_offline", "tau_online", "speedup", "a_k_online",
-                                                        "exact")}
-            break
+                run.online[f"{m}/{ds}"] = {k: r.get(k) for k in ("tau_offline", "tau_online", "speedup", "a_k_online",
+                                                                 "exact")}
         drafter = Path(results["drafter_dir"])  # the train stage may live elsewhere (shared by a sweep)
         if not (train_dir / "metrics.jsonl").is_file() and (drafter.parent / "metrics.jsonl").is_file():
             train_dir = drafter.parent
@@ -135,12 +134,11 @@ def read_wandb(project: str, group: str | None, api=None) -> list[Run]:
             if s.get("offline/teacher_heldout/tau_offline") is not None:
                 run.heldout_tau = s["offline/teacher_heldout/tau_offline"]
                 run.heldout_a_k = _positions(s, "offline/teacher_heldout/a")
-            method = (run.config.get("eval.methods") or ["chain"])[0]
-            for ds in run.config.get("eval.datasets") or []:
-                key = f"{method}/{ds}/"
+            for key in [f"{m}/{ds}/" for m in run.config.get("eval.methods") or ["chain"]
+                        for ds in run.config.get("eval.datasets") or []]:
                 if s.get(key + "tau_online") is None:
                     continue
-                run.online[ds] = {"tau_offline": s.get(key + "tau_offline"), "tau_online": s[key + "tau_online"],
+                run.online[key[:-1]] = {"tau_offline": s.get(key + "tau_offline"), "tau_online": s[key + "tau_online"],
                                   "speedup": s.get(key + "speedup"), "exact": bool(s.get(key + "exact", 0)),
                                   "a_k_online": _positions(s, key + "a_k_online")}
     if not by_name:
@@ -165,15 +163,23 @@ def config_differences(runs: list[Run]) -> list[str]:
 
 
 def datasets_of(runs: list[Run]) -> list[str]:
-    return list(dict.fromkeys(ds for r in runs for ds in r.online))
+    """The "method/dataset" keys of the online results, in order of appearance."""
+    return list(dict.fromkeys(key for r in runs for key in r.online))
+
+
+def _short(keys: list[str]) -> dict[str, str]:
+    """Column names: the dataset alone when every run used one and the same method (chain), else method/dataset."""
+    one_method = len({k.split("/", 1)[0] for k in keys}) <= 1
+    return {k: k.split("/", 1)[1] if one_method else k for k in keys}
 
 
 def table(runs: list[Run]) -> tuple[list[str], list[list]]:
     """Header and rows: config differences, held-out tau, per eval set tau offline / online / speedup, train tok/s."""
     diffs, sets = config_differences(runs), datasets_of(runs)
+    name = _short(sets)
     header = ["run", *diffs, "teacher_heldout tau_off"]
-    for ds in sets:
-        header += [f"{ds} tau_off", f"{ds} tau_on", f"{ds} speedup"]
+    for key in sets:
+        header += [f"{name[key]} tau_off", f"{name[key]} tau_on", f"{name[key]} speedup"]
     header += ["exact", "train tok/s", "steps"]
     rows = []
     for r in runs:
@@ -213,8 +219,10 @@ def plot(runs: list[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("held-out teacher (offline)", {r.label: r.heldout_a_k for r in runs if r.heldout_a_k})]
-    panels += [(f"{ds} (online)", {r.label: r.online[ds]["a_k_online"] for r in runs
-                                   if ds in r.online and r.online[ds].get("a_k_online")}) for ds in datasets_of(runs)]
+    name = _short(datasets_of(runs))
+    panels += [(f"{name[key]} (online)", {r.label: r.online[key]["a_k_online"] for r in runs
+                                          if key in r.online and r.online[key].get("a_k_online")})
+               for key in datasets_of(runs)]
     panels = [(t, c) for t, c in panels if c]
     if not panels:
         raise CompareError("no acceptance curves to plot: the runs have neither eval results nor held-out metrics")
