@@ -36,7 +36,7 @@ class Run:
     heldout_tau: float | None = None  # held-out teacher tau_offline (eval stage, else the last training eval)
     train_tokens_per_s: float | None = None  # median over the logged training windows
     train_steps: int | None = None
-    online: dict = field(default_factory=dict)  # "method/dataset" -> tau_offline, tau_online, speedup, a_k_online, exact
+    online: dict = field(default_factory=dict)  # "method/dataset" -> tau_off, tau_on, speedup, a_k_online, exact
     heldout_a_k: list[float] | None = None
 
 
