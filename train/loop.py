@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 from omegaconf import DictConfig
 
 from conf.stages import config_hash
@@ -71,6 +71,10 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per saved file otherwise
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,
                               step_scheduler_with_optimizer=False)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise TrainError("FSDP is not supported yet: the drafter shares the target's frozen embedding and LM head "
+                         "modules, and held-out evaluation and export run on one process; use DDP "
+                         "(scripts/accelerate/ddp_bf16.yaml)")
     world, rank = accelerator.num_processes, accelerator.process_index
     log.info("train: %d process(es) (%s), device %s, mixed precision %s", world, accelerator.distributed_type.value,
              accelerator.device, accelerator.mixed_precision)
