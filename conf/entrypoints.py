@@ -5,7 +5,6 @@ finds the output of the one before it without extra arguments.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from contextlib import contextmanager
@@ -133,19 +132,10 @@ def _sweep_lock(folder: Path):
 
 def objective(outputs: dict[str, Path]) -> float | None:
     """What a sweeper optimises: the held-out simulated tau (tau_offline on held-out teacher sequences), from the
-    eval stage when it ran, else from the training run's last held-out evaluation."""
-    results = outputs.get("eval")
-    if results is not None and (results / "eval_results.json").is_file():
-        held = json.loads((results / "eval_results.json").read_text())["offline"].get("teacher_heldout")
-        if held:
-            return float(held["tau_offline"])
-    train = outputs.get("train")
-    if train is not None and (train / "metrics.jsonl").is_file():
-        rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
-        held = [r["heldout"] for r in rows if "heldout" in r]
-        if held:
-            return float(held[-1]["tau_offline"])
-    return None
+    eval stage when it ran, else from the training run's last held-out evaluation (as dflash-compare reads it)."""
+    from eval.compare import read_stages
+
+    return read_stages(outputs.get("eval"), outputs.get("train")).heldout_tau
 
 
 def _run(cfg: DictConfig, stages: list[str]) -> float | None:

@@ -43,8 +43,9 @@ def stage_dir(cfg: DictConfig, stage: str, run_dir: str | Path) -> Path:
     return Path(run_dir) / section.out_dir
 
 
-def recorded_hash(cfg: DictConfig, stage: str, folder: Path) -> str | None:
-    """The config hash a stage's output folder was made (or started) with; None when there is none."""
+def recorded_hash(stage: str, folder: Path) -> str | None:
+    """The config hash a stage's output folder was made with (the teacher: started with); None when there is none.
+    The train and eval stages write their marker last, so for them a hash also says the stage is complete."""
     marker = {"teacher": "plan.json", "train": "done.json", "eval": "eval_results.json"}[stage]
     try:
         return json.loads((folder / marker).read_text()).get("config_hash")
@@ -63,11 +64,10 @@ def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | No
     dirs = {stage: stage_dir(cfg, stage, run_dir) for stage in STAGE_SECTIONS}
     if shared_dir is not None:
         teacher = stage_dir(cfg, "teacher", shared_dir)
-        if recorded_hash(cfg, "teacher", teacher) in (None, config_hash(cfg, "teacher")):
+        if recorded_hash("teacher", teacher) in (None, config_hash(cfg, "teacher")):
             dirs["teacher"] = teacher
         train = stage_dir(cfg, "train", shared_dir)
-        if not (dirs["train"] / "done.json").is_file() and recorded_hash(cfg, "train", train) == config_hash(cfg,
-                                                                                                              "train"):
+        if recorded_hash("train", dirs["train"]) is None and recorded_hash("train", train) == config_hash(cfg, "train"):
             dirs["train"] = train
     if cfg.trainer.data_dir:
         dirs["teacher"] = Path(cfg.trainer.data_dir)

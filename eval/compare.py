@@ -74,15 +74,21 @@ def read_run(folder: Path) -> Run:
     as its wandb runs are; another run by its folder."""
     from omegaconf import OmegaConf
 
-    run = Run(label=folder.name)
+    run = read_stages(folder / "eval", folder / "train", label=folder.name)
     cfg_file = folder / ".hydra" / "config.yaml"
     if cfg_file.is_file():
         run.config = flatten(OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False))
     if folder.parent.name == "multirun":
         run.label = f"{run.config.get('name', folder.parent.parent.name)}/{folder.name}"
-    results_file = folder / "eval" / "eval_results.json"
-    train_dir = folder / "train"
-    if results_file.is_file():
+    return run
+
+
+def read_stages(eval_dir: Path | None, train_dir: Path | None, label: str = "") -> Run:
+    """The metrics the eval and train stages wrote in these folders (either may be None or missing). Held-out tau
+    comes from the eval stage when it ran, else from the training run's last held-out evaluation."""
+    run = Run(label=label)
+    results_file = eval_dir / "eval_results.json" if eval_dir is not None else None
+    if results_file is not None and results_file.is_file():
         results = json.loads(results_file.read_text())
         held = results["offline"].get("teacher_heldout")
         if held:
@@ -92,9 +98,10 @@ def read_run(folder: Path) -> Run:
                 run.online[f"{m}/{ds}"] = {k: r.get(k) for k in ("tau_offline", "tau_online", "speedup", "a_k_online",
                                                                  "exact")}
         drafter = Path(results["drafter_dir"])  # the train stage may live elsewhere (shared by a sweep)
-        if not (train_dir / "metrics.jsonl").is_file() and (drafter.parent / "metrics.jsonl").is_file():
+        if (train_dir is None or not (train_dir / "metrics.jsonl").is_file()) and \
+                (drafter.parent / "metrics.jsonl").is_file():
             train_dir = drafter.parent
-    if (train_dir / "metrics.jsonl").is_file():
+    if train_dir is not None and (train_dir / "metrics.jsonl").is_file():
         rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
         run.train_tokens_per_s = statistics.median(speeds) if speeds else None

@@ -7,9 +7,14 @@ recall@K  per position: the target token is in the drafter's top-K, given positi
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from data.blocks import pack_blocks
+
+if TYPE_CHECKING:
+    from models.drafter import DFlashDrafter
 
 
 def conditional_acceptance(correct: torch.Tensor, valid: torch.Tensor) -> tuple[list[float], list[int]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from conf.stages import config_hash
+from conf.stages import config_hash, recorded_hash
 from data.shards import TeacherDataset
 from data.sources import load_conversations
 from data.teacher import chat_segments
@@ -239,19 +239,21 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
 
 
 # -- the stage ---------------------------------------------------------------------------------------------------
-def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_dir: Path | None = None) -> Path:
+def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None,
+             train_dir: Path | None = None) -> Path:
     """Evaluate the exported drafter of `train_dir` (default: this run's train stage; eval.drafter_dir overrides);
     offline metrics on the held-out part of `teacher_dir` (default: this run's teacher stage). Writes
-    eval_results.json, results.md and acceptance.png in `out`. Skipped when eval_results.json exists for the same config; a different config's
-    results are replaced (eval is read-only on its inputs: rerun with another eval.out_dir to keep both)."""
+    eval_results.json, results.md and acceptance.png in `out`. Skipped when eval_results.json exists for the same
+    config; a different config's results are replaced (eval is read-only on its inputs: rerun with another
+    eval.out_dir to keep both)."""
     e = cfg.eval
     digest = config_hash(cfg, "eval")
     results_file = out / RESULTS
-    if results_file.is_file():
-        old = json.loads(results_file.read_text()).get("config_hash")
-        if old == digest:
-            log.info("evaluation already complete at %s (config %s): skipping", out, digest)
-            return out
+    old = recorded_hash("eval", out)
+    if old == digest:
+        log.info("evaluation already complete at %s (config %s): skipping", out, digest)
+        return out
+    if old is not None:
         log.warning("%s holds results of config %s; replacing them with config %s", results_file, old, digest)
     unknown = [m for m in e.methods if m not in METHODS]
     if unknown:

@@ -17,9 +17,8 @@ import torch
 from data.shards import TeacherDataset
 from eval.compare import CompareError, compare, main as compare_main
 
-from conftest import make_config
+from conftest import ROOT, accelerate_launch, make_config, metrics, run_command, user_env
 
-ROOT = Path(__file__).parents[1]
 GRID = ["drafter.num_layers=1,2", "trainer.lr=3e-4,1e-3"]
 
 
@@ -27,10 +26,6 @@ def console(name: str) -> str:
     path = shutil.which(name) or str(Path(sys.executable).parent / name)
     assert Path(path).is_file(), f"{name} is not installed: pip install -e ."
     return path
-
-
-def env() -> dict:
-    return dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
 
 
 def sweep_cmd(sweep_dir: Path, *extra: str) -> list[str]:
@@ -52,7 +47,7 @@ def killed_and_rerun_sweep(tmp_path_factory):
     """A 2x2 pipeline sweep on tiny, killed (SIGKILL, whole process group) once two jobs have finished, then the
     same command run again to the end. Returns (sweep dir, {finished job: its stage files at the kill}, rerun log)."""
     sweep_dir = tmp_path_factory.mktemp("sweep")
-    proc = subprocess.Popen(sweep_cmd(sweep_dir), cwd=ROOT, env=env(), start_new_session=True,
+    proc = subprocess.Popen(sweep_cmd(sweep_dir), cwd=ROOT, env=user_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while len(finished_jobs(sweep_dir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -61,8 +56,7 @@ def killed_and_rerun_sweep(tmp_path_factory):
     proc.wait()
     before = {job: stage_files(job) for job in finished_jobs(sweep_dir)}
     assert len(before) in (2, 3), f"the sweep was killed after {len(before)} finished jobs, not mid-sweep"
-    rerun = subprocess.run(sweep_cmd(sweep_dir), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    rerun = run_command(sweep_cmd(sweep_dir))
     return sweep_dir, before, rerun.stdout + rerun.stderr
 
 
@@ -95,7 +89,7 @@ def test_compare_lists_the_sweep_runs_with_the_values_of_their_results(killed_an
             assert row[col[f"{ds} tau_on"]] == r["tau_online"]
             assert row[col[f"{ds} tau_off"]] == r["tau_offline"]
             assert row[col[f"{ds} speedup"]] == r["speedup"]
-        speeds = [json.loads(l)["tokens_per_s"] for l in (job / "train" / "metrics.jsonl").read_text().splitlines()]
+        speeds = [row["tokens_per_s"] for row in metrics(job / "train")]
         assert min(speeds) <= row[col["train tok/s"]] <= max(speeds)
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "c.md").read_text().count("\n") == 2 + 4
@@ -128,7 +122,7 @@ def test_compare_reads_the_same_rows_from_wandb_runs(killed_and_rerun_sweep):
     for job in finished_jobs(sweep_dir):
         config = OmegaConf.to_container(OmegaConf.load(job / ".hydra" / "config.yaml"), resolve=False)
         name = f"tiny/{job.name}"
-        train_rows = [json.loads(l) for l in (job / "train" / "metrics.jsonl").read_text().splitlines()]
+        train_rows = metrics(job / "train")
         train_summary = {}
         for r in train_rows:  # wandb's summary keeps the last value of every key
             train_summary.update(flatten({k: v for k, v in r.items() if k != "step"}))
@@ -156,8 +150,7 @@ def test_optuna_sweep_maximises_heldout_tau_and_continues_its_study(tiny_teacher
     def run(trials: int):
         cmd = [console("dflash-train"), "-m", "experiment=tiny", "sweep=optuna_tau", f"hydra.sweep.dir={tmp_path}",
                f"hydra.sweeper.n_trials={trials}", f"trainer.data_dir={tiny_teacher}"]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_command(cmd)
 
     run(2)
     run(1)  # the same command again: the stored study goes on
@@ -168,17 +161,13 @@ def test_optuna_sweep_maximises_heldout_tau_and_continues_its_study(tiny_teacher
         job = next(j for j in (tmp_path / "multirun").iterdir()
                    if f"trainer.lr={t.params['trainer.lr']}" in j.name
                    and f"drafter.num_layers={t.params['drafter.num_layers']}" in j.name)
-        rows = [json.loads(l) for l in (job / "train" / "metrics.jsonl").read_text().splitlines()]
-        assert t.value == pytest.approx([r["heldout"] for r in rows if "heldout" in r][-1]["tau_offline"])
+        held = [row["heldout"] for row in metrics(job / "train") if "heldout" in row]
+        assert t.value == pytest.approx(held[-1]["tau_offline"])
 
 
 def test_teacher_generated_by_two_processes_equals_the_one_process_dataset(tmp_path):
     def launch(n: int, run_dir: Path) -> TeacherDataset:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else []),
-               "-m", "data", "experiment=tiny", f"hydra.run.dir={run_dir}"]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_command(accelerate_launch(n, "-m", "data", "experiment=tiny", f"hydra.run.dir={run_dir}"))
         return TeacherDataset(run_dir / "teacher")
 
     one, two = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
@@ -214,14 +203,12 @@ def test_slurm_launcher_runs_each_job_as_one_distributed_job_per_task(tiny_teach
     cmd = [console("dflash-train"), "-m", "experiment=tiny", "hydra/launcher=submitit_local",
            "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}",
            f"trainer.data_dir={tiny_teacher}", "trainer.lr=1e-3", "logger=none"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_command(cmd)
     logs = "".join(p.read_text() for p in tmp_path.glob(".submitit/*/*_log.*"))
     assert logs.count("train: 2 process(es) (MULTI_CPU)") == 2
     job = tmp_path / "multirun" / "trainer.lr=0.001"
     from train.loop import run_train
 
     one = run_train(make_config("trainer.lr=1e-3", "logger=none"), tmp_path / "one", data_dir=tiny_teacher)
-    losses = [[json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines()]
-              for d in (job / "train", one)]
+    losses = [[row["loss"] for row in metrics(d)] for d in (job / "train", one)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)

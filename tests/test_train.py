@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +11,15 @@ import torch
 from data.blocks import pack_blocks
 from data.shards import DatasetError
 from models.drafter import DFlashDrafter
-from train import loop as loop_mod
 from train.drafter import DrafterComponent
 from train.loop import TrainError, run_train
 from train.losses import block_loss, dpace_weights, normaliser
 
-from conftest import make_config
+from conftest import accelerate_launch, make_config, metrics, run_command
 
 
 def losses(run: Path) -> list[float]:
-    return [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in metrics(run)]
 
 
 def test_blocks_labels_are_the_tokens_at_anchor_plus_k():
@@ -126,7 +122,7 @@ def test_rerun_of_a_killed_run_resumes_and_repeats_the_losses_of_an_uninterrupte
 
 def test_export_reloads_to_the_same_drafter(tiny_teacher, tmp_path, component):
     run = run_train(make_config("trainer.steps=2"), tmp_path / "run", data_dir=tiny_teacher)
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    last = metrics(run)[-1]
     model = DFlashDrafter.from_pretrained(str(run / "export"), component.model.embed_tokens, component.model.lm_head)
     assert component.evaluate(model) == last["heldout"]
     config = json.loads((run / "export" / "config.json").read_text())
@@ -159,14 +155,9 @@ def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path)
     """accelerate launch with 2 CPU processes (gloo) and the same global batch gives the same losses, and a
     1-process run resumed on 2 processes continues that curve."""
     def launch(n: int, run_dir: Path, *extra: str):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no"]
-        cmd += ["--multi_gpu"] if n > 1 else []
-        cmd += ["-m", "train", "experiment=tiny", f"hydra.run.dir={run_dir}", f"trainer.data_dir={tiny_teacher}",
-                "trainer.eval_every=100", "trainer.save_every=2", *extra]
-        env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parents[1])
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_command(accelerate_launch(n, "-m", "train", "experiment=tiny", f"hydra.run.dir={run_dir}",
+                                      f"trainer.data_dir={tiny_teacher}", "trainer.eval_every=100",
+                                      "trainer.save_every=2", *extra), timeout=300)
         return losses(run_dir / "train")
 
     one = launch(1, tmp_path / "one", "trainer.steps=4")

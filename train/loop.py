@@ -20,7 +20,7 @@ import torch
 from accelerate import Accelerator, DistributedType
 from omegaconf import DictConfig
 
-from conf.stages import config_hash
+from conf.stages import config_hash, recorded_hash
 from eval.metrics import conditional_acceptance
 from train.errors import TrainError
 from train.logger import RunLogger
@@ -58,12 +58,11 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         raise TrainError(f"unknown trainer.loss {t.loss!r}; use one of {', '.join(LOSSES)}")
     if cfg.logger.kind not in ("wandb", "none"):
         raise TrainError(f"unknown logger.kind {cfg.logger.kind!r}; use wandb or none")
-    digest = config_hash(cfg, "train")
-    done = out / "done.json"
-    if done.is_file() and json.loads(done.read_text())["config_hash"] == digest and not t.resume:
+    digest, finished = config_hash(cfg, "train"), recorded_hash("train", out)
+    if finished == digest and not t.resume:
         log.info("training already complete at %s (config %s): skipping", out, digest)
         return out
-    if done.is_file() and json.loads(done.read_text())["config_hash"] != digest and not t.resume:
+    if finished is not None and finished != digest and not t.resume:
         raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
                          "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
 
@@ -88,11 +87,10 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
     model, optimizer, scheduler = accelerator.prepare(comp.model, optimizer, scheduler)
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
 
     ckpt_dir = out / "checkpoints"
     start = 0
-    last = checkpoints(ckpt_dir)[-1] if checkpoints(ckpt_dir) else None
+    last = next(reversed(checkpoints(ckpt_dir)), None)
     # A checkpoint of this very config (a killed run started again) is always continued: batches are a function of
     # (seed, step), so this equals the uninterrupted run. trainer.resume=true also continues another config's.
     same = last is not None and json.loads((last / "step.json").read_text()).get("config_hash") == digest
