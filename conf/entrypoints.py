@@ -15,18 +15,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from conf.schema import register
+from dflash_pipeline.conf.schema import register
 
 register()
 log = logging.getLogger("dflash")
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that come from bad input: shown as one line, not a traceback."""
-    from data.shards import DatasetError
-    from data.sources import DataSourceError
-    from models.target import TargetError
-    from eval.stage import EvalError
-    from train.loop import TrainError
+    from dflash_pipeline.data.shards import DatasetError
+    from dflash_pipeline.data.sources import DataSourceError
+    from dflash_pipeline.models.target import TargetError
+    from dflash_pipeline.eval.stage import EvalError
+    from dflash_pipeline.train.loop import TrainError
 
     return (DatasetError, DataSourceError, TargetError, TrainError, EvalError)
 
@@ -85,10 +85,10 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
 
     shared_dir: the experiment's run directory when this is a job of a sweep (see conf.stages.stage_dirs).
     """
-    from conf.stages import stage_dirs
-    from data.teacher import run_teacher
-    from eval.stage import run_eval
-    from train.loop import run_train
+    from dflash_pipeline.conf.stages import stage_dirs
+    from dflash_pipeline.data.teacher import run_teacher
+    from dflash_pipeline.eval.stage import run_eval
+    from dflash_pipeline.train.loop import run_train
 
     dirs = stage_dirs(cfg, run_dir, shared_dir)
     outputs = {}
@@ -133,7 +133,7 @@ def _sweep_lock(folder: Path):
 def objective(outputs: dict[str, Path]) -> float | None:
     """What a sweeper optimises: the held-out simulated tau (tau_offline on held-out teacher sequences), from the
     eval stage when it ran, else from the training run's last held-out evaluation (as dflash-compare reads it)."""
-    from eval.compare import read_stages
+    from dflash_pipeline.eval.compare import read_stages
 
     return read_stages(outputs.get("eval"), outputs.get("train")).heldout_tau
 

@@ -26,11 +26,11 @@ from accelerate import PartialState
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from conf.stages import config_hash, stage_config
-from data.shards import FORMAT_VERSION, DatasetError, read_shard_record, write_json, write_shard
-from data.sources import load_conversations
-from models.generation import capture, generate
-from models.target import Target, load_target, resolve_layer_ids, torch_dtype
+from dflash_pipeline.conf.stages import config_hash, stage_config
+from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, read_shard_record, write_json, write_shard
+from dflash_pipeline.data.sources import load_conversations
+from dflash_pipeline.models.generation import capture, generate
+from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from models.drafter import DFlashDrafter
+from dflash_pipeline.models.drafter import DFlashDrafter
 
 
 # -- small helpers -----------------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data.blocks import pack_blocks
+from dflash_pipeline.data.blocks import pack_blocks
 
 if TYPE_CHECKING:
-    from models.drafter import DFlashDrafter
+    from dflash_pipeline.models.drafter import DFlashDrafter
 
 
 def conditional_acceptance(correct: torch.Tensor, valid: torch.Tensor) -> tuple[list[float], list[int]]:

@@ -24,18 +24,18 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from conf.stages import config_hash, recorded_hash
-from data.shards import TeacherDataset
-from data.sources import load_conversations
-from data.teacher import chat_segments
-from eval import report
-from eval.decode import METHODS, autoregressive, make_method, speculative
-from eval.metrics import accepted_length_stats, offline_metrics
-from models.drafter import DFlashDrafter
-from models.generation import recapture
-from models.target import Target, load_target
-from train.drafter import split_heldout, step_seed
-from train.logger import RunLogger
+from dflash_pipeline.conf.stages import config_hash, recorded_hash
+from dflash_pipeline.data.shards import TeacherDataset
+from dflash_pipeline.data.sources import load_conversations
+from dflash_pipeline.data.teacher import chat_segments
+from dflash_pipeline.eval import report
+from dflash_pipeline.eval.decode import METHODS, autoregressive, make_method, speculative
+from dflash_pipeline.eval.metrics import accepted_length_stats, offline_metrics
+from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.models.generation import recapture
+from dflash_pipeline.models.target import Target, load_target
+from dflash_pipeline.train.drafter import split_heldout, step_seed
+from dflash_pipeline.train.logger import RunLogger
 
 log = logging.getLogger(__name__)
 

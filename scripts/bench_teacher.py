@@ -15,10 +15,10 @@ import time
 import torch
 from hydra import compose, initialize_config_module
 
-from conf.schema import register
-from data.sources import load_conversations
-from data.teacher import add_features, chat_segments, regenerate
-from models.target import load_target, resolve_layer_ids
+from dflash_pipeline.conf.schema import register
+from dflash_pipeline.data.sources import load_conversations
+from dflash_pipeline.data.teacher import add_features, chat_segments, regenerate
+from dflash_pipeline.models.target import load_target, resolve_layer_ids
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
 
     register()
-    with initialize_config_module(config_module="conf", version_base=None):
+    with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
         cfg = compose("config", overrides=[f"teacher.max_new_tokens={args.max_new_tokens}",
                                            f"target.dtype={args.dtype}", "teacher.max_turns=1", *args.overrides])
     target = load_target(cfg.target, cfg.cache_dir)

@@ -15,8 +15,8 @@ import time
 import torch
 from hydra import compose, initialize_config_module
 
-from conf.schema import register
-from train.drafter import DrafterComponent
+from dflash_pipeline.conf.schema import register
+from dflash_pipeline.train.drafter import DrafterComponent
 
 
 def single_blocks(batch: dict) -> list[dict]:
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     register()
-    with initialize_config_module(config_module="conf", version_base=None):
+    with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
         cfg = compose("config", overrides=["experiment=smollm2_quick", "trainer.data_dir=runs/smollm2_quick/teacher",
                                            *args.overrides])
     comp = DrafterComponent(cfg, cfg.trainer.data_dir, torch.device("cpu"))

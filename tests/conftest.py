@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from conf.schema import register
+from dflash_pipeline.conf.schema import register
 
 os.environ.setdefault("WANDB_MODE", "offline")
 register()
@@ -20,7 +20,7 @@ register()
 def make_config(*overrides: str, return_hydra_config: bool = False):
     """Compose conf/config.yaml with experiment=tiny and the given overrides, as the console scripts do."""
     GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="conf", version_base=None):
+    with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
         return compose(config_name="config", overrides=["experiment=tiny", *overrides],
                        return_hydra_config=return_hydra_config)
 
@@ -28,7 +28,7 @@ def make_config(*overrides: str, return_hydra_config: bool = False):
 @pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory) -> Path:
     """A finished tiny teacher dataset (8 samples, 2 shards, 2 turns, top-k log-probs)."""
-    from data.teacher import run_teacher
+    from dflash_pipeline.data.teacher import run_teacher
 
     out = tmp_path_factory.mktemp("tiny") / "teacher"
     return run_teacher(make_config(), out)
@@ -51,7 +51,7 @@ def run_command(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProce
 
 
 def accelerate_launch(n: int, *module_and_args: str) -> list[str]:
-    """`accelerate launch` with n CPU processes (gloo when n > 1): e.g. accelerate_launch(2, "-m", "train", ...)."""
+    """`accelerate launch` with n CPU processes (gloo when n > 1): e.g. accelerate_launch(2, "-m", "dflash_pipeline.train", ...)."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
             "--mixed_precision", "no", "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else []),
             *module_and_args]

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.drafter import DFlashDrafter, DFlashDrafterConfig, default_target_layer_ids, packed_attention_mask
+from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig, default_target_layer_ids, packed_attention_mask
 
 H, V, B, N_TAPS = 32, 99, 4, 2
 

@@ -11,15 +11,15 @@ from scipy.stats import chi2
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import eval.decode as decode
-from conf.stages import config_hash
-from eval.decode import Proposal, autoregressive, crop_cache, speculative
-from eval.metrics import accepted_length_stats, conditional_acceptance, offline_metrics, recall_at_k, simulated_tau
-from eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
-from models.drafter import DFlashDrafter, DFlashDrafterConfig
-from models.generation import generate
-from models.target import load_target
+from dflash_pipeline.conf.stages import config_hash
+from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
+from dflash_pipeline.eval.metrics import accepted_length_stats, conditional_acceptance, offline_metrics, recall_at_k, simulated_tau
+from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
+from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
+from dflash_pipeline.models.generation import generate
+from dflash_pipeline.models.target import load_target
 from tests.conftest import make_config
-from train.drafter import drafter_config
+from dflash_pipeline.train.drafter import drafter_config
 
 TEXTS = ["Write a haiku about the sea.", "What is 12 times 7?", "List three prime numbers."]
 
@@ -303,7 +303,7 @@ def test_offline_metrics_on_known_predictions(random_drafter):
 @pytest.fixture(scope="module")
 def tiny_eval(tmp_path_factory, tiny_teacher):
     """teacher (shared fixture) -> 4 training steps -> eval, with the tiny experiment's eval settings."""
-    from train.loop import run_train
+    from dflash_pipeline.train.loop import run_train
 
     root = tmp_path_factory.mktemp("eval_run")
     cfg = make_config(f"trainer.data_dir={tiny_teacher}")

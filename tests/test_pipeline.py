@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conf.entrypoints import run_stages
+from dflash_pipeline.conf.entrypoints import run_stages
 
 from conftest import make_config
 

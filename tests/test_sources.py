@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from data.sources import DataSourceError, is_heldout, load_conversations
+from dflash_pipeline.data.sources import DataSourceError, is_heldout, load_conversations
 
 
 def _capture():

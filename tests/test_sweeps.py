@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.shards import TeacherDataset
-from eval.compare import CompareError, compare, main as compare_main
+from dflash_pipeline.data.shards import TeacherDataset
+from dflash_pipeline.eval.compare import CompareError, compare, main as compare_main
 
 from conftest import ROOT, accelerate_launch, make_config, metrics, run_command, user_env
 
@@ -109,8 +109,8 @@ def test_compare_reads_the_same_rows_from_wandb_runs(killed_and_rerun_sweep):
     RunLogger), make the same rows as the folders."""
     from omegaconf import OmegaConf
 
-    from eval import report
-    from train.logger import flatten
+    from dflash_pipeline.eval import report
+    from dflash_pipeline.train.logger import flatten
 
     sweep_dir, _, _ = killed_and_rerun_sweep
 
@@ -167,7 +167,7 @@ def test_optuna_sweep_maximises_heldout_tau_and_continues_its_study(tiny_teacher
 
 def test_teacher_generated_by_two_processes_equals_the_one_process_dataset(tmp_path):
     def launch(n: int, run_dir: Path) -> TeacherDataset:
-        run_command(accelerate_launch(n, "-m", "data", "experiment=tiny", f"hydra.run.dir={run_dir}"))
+        run_command(accelerate_launch(n, "-m", "dflash_pipeline.data", "experiment=tiny", f"hydra.run.dir={run_dir}"))
         return TeacherDataset(run_dir / "teacher")
 
     one, two = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
@@ -207,7 +207,7 @@ def test_slurm_launcher_runs_each_job_as_one_distributed_job_per_task(tiny_teach
     logs = "".join(p.read_text() for p in tmp_path.glob(".submitit/*/*_log.*"))
     assert logs.count("train: 2 process(es) (MULTI_CPU)") == 2
     job = tmp_path / "multirun" / "trainer.lr=0.001"
-    from train.loop import run_train
+    from dflash_pipeline.train.loop import run_train
 
     one = run_train(make_config("trainer.lr=1e-3", "logger=none"), tmp_path / "one", data_dir=tiny_teacher)
     losses = [[row["loss"] for row in metrics(d)] for d in (job / "train", one)]

@@ -11,11 +11,11 @@ import torch
 from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file
 
-from data import teacher as teacher_mod
-from data.shards import DatasetError, TeacherDataset
-from data.sources import DataSourceError
-from data.teacher import chat_segments, run_teacher
-from models.target import TargetError, default_layer_ids, load_target
+from dflash_pipeline.data import teacher as teacher_mod
+from dflash_pipeline.data.shards import DatasetError, TeacherDataset
+from dflash_pipeline.data.sources import DataSourceError
+from dflash_pipeline.data.teacher import chat_segments, run_teacher
+from dflash_pipeline.models.target import TargetError, default_layer_ids, load_target
 
 from conftest import make_config
 
@@ -94,7 +94,7 @@ def test_loss_mask_covers_exactly_the_replies(tiny_teacher, tiny_target):
 
 
 def _conversation(sample_id: str):
-    from data.sources import load_conversations
+    from dflash_pipeline.data.sources import load_conversations
 
     cfg = make_config()
     convs = load_conversations("sharegpt", limit=cfg.data.num_samples, max_prompt_tokens=None, log=lambda s: None)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.blocks import pack_blocks
-from data.shards import DatasetError
-from models.drafter import DFlashDrafter
-from train.drafter import DrafterComponent
-from train.loop import TrainError, run_train
-from train.losses import block_loss, dpace_weights, normaliser
+from dflash_pipeline.data.blocks import pack_blocks
+from dflash_pipeline.data.shards import DatasetError
+from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.train.drafter import DrafterComponent
+from dflash_pipeline.train.loop import TrainError, run_train
+from dflash_pipeline.train.losses import block_loss, dpace_weights, normaliser
 
 from conftest import accelerate_launch, make_config, metrics, run_command
 
@@ -155,7 +155,7 @@ def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path)
     """accelerate launch with 2 CPU processes (gloo) and the same global batch gives the same losses, and a
     1-process run resumed on 2 processes continues that curve."""
     def launch(n: int, run_dir: Path, *extra: str):
-        run_command(accelerate_launch(n, "-m", "train", "experiment=tiny", f"hydra.run.dir={run_dir}",
+        run_command(accelerate_launch(n, "-m", "dflash_pipeline.train", "experiment=tiny", f"hydra.run.dir={run_dir}",
                                       f"trainer.data_dir={tiny_teacher}", "trainer.eval_every=100",
                                       "trainer.save_every=2", *extra), timeout=300)
         return losses(run_dir / "train")

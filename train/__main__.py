@@ -1,4 +1,4 @@
-"""python -m train ... (or accelerate launch -m train ...): the same as dflash-train."""
-from conf.entrypoints import train
+"""python -m dflash_pipeline.train ... (or accelerate launch -m dflash_pipeline.train ...): the same as dflash-train."""
+from dflash_pipeline.conf.entrypoints import train
 
 train()

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from data.blocks import pack_blocks
-from data.shards import DatasetError, TeacherDataset
-from eval.metrics import offline_metrics
-from models.drafter import DFlashDrafter, DFlashDrafterConfig
-from models.generation import recapture
-from models.target import Target, load_target
-from train.errors import TrainError
-from train.losses import block_loss, default_gamma, effective_valid, normaliser
+from dflash_pipeline.data.blocks import pack_blocks
+from dflash_pipeline.data.shards import DatasetError, TeacherDataset
+from dflash_pipeline.eval.metrics import offline_metrics
+from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
+from dflash_pipeline.models.generation import recapture
+from dflash_pipeline.models.target import Target, load_target
+from dflash_pipeline.train.errors import TrainError
+from dflash_pipeline.train.losses import block_loss, default_gamma, effective_valid, normaliser
 
 log = logging.getLogger(__name__)
 

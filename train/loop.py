@@ -20,17 +20,17 @@ import torch
 from accelerate import Accelerator, DistributedType
 from omegaconf import DictConfig
 
-from conf.stages import config_hash, recorded_hash
-from eval.metrics import conditional_acceptance
-from train.errors import TrainError
-from train.logger import RunLogger
-from train.losses import LOSSES
+from dflash_pipeline.conf.stages import config_hash, recorded_hash
+from dflash_pipeline.eval.metrics import conditional_acceptance
+from dflash_pipeline.train.errors import TrainError
+from dflash_pipeline.train.logger import RunLogger
+from dflash_pipeline.train.losses import LOSSES
 
 log = logging.getLogger(__name__)
 
 
 def components() -> dict:
-    from train.drafter import DrafterComponent
+    from dflash_pipeline.train.drafter import DrafterComponent
 
     return {"drafter": DrafterComponent}
 
