@@ -1,8 +1,8 @@
 """Packed multi-anchor blocks: what one drafter forward sees for a group of teacher sequences.
 
 For every sequence, anchors are drawn from positions a whose next token is a reply token (loss_mask[a+1]); block
-position k (1..B-1) of the anchor at a predicts the token at a + k (ALGORITHMS.md section 2). Labels past the end of
-the sequence or on non-reply tokens are invalid. The block input is [token at a, MASK x (B-1)].
+position k (1..B-1) of the anchor at a predicts the token at a + k (docs/methods.md, 'Packed training'). Labels
+past the end of the sequence or on non-reply tokens are invalid. The block input is [token at a, MASK x (B-1)].
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A conversation is {"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}.
 Existing assistant turns are kept only to mark where replies go: the teacher regenerates them with the target.
 
-Embedded defaults (ALGORITHMS.md section 10) live inside pip packages. We locate their files with find_spec and
+Embedded defaults (docs/data.md, 'Prompt sources') live inside pip packages. We locate their files with find_spec and
 never import them: their __init__ may import modules that are not installed.
 """
 

@@ -1,6 +1,6 @@
 """Decoding loops at batch size 1: plain autoregressive decoding and speculative decoding with block verification.
 
-Speculative round (ALGORITHMS.md section 1), with L = the number of committed tokens before the anchor:
+Speculative round (docs/metrics.md, 'The speculative round'), with L = the number of committed tokens before the anchor:
   propose   a method drafts B-1 tokens for positions L+1 .. L+B-1 from the anchor at L (chain: the DFlash drafter,
             fed the tapped target features of the tokens committed since the last round);
   verify    the target runs [anchor, drafts] at positions L .. L+B-1 in ONE forward on its KV cache;
@@ -122,7 +122,7 @@ class Proposal:
 
 
 class ChainMethod:
-    """The DFlash block drafter: one forward drafts the whole block (section 1).
+    """The DFlash block drafter: one forward drafts the whole block (docs/methods.md, 'The drafter').
 
     The drafter's context K/V live in a DrafterCache across rounds; only committed tokens ever enter it, so it
     never needs a rollback. The block itself is not cached.
@@ -181,7 +181,7 @@ class SpecResult:
 
     @property
     def tau(self) -> float:
-        """Mean accepted + 1 over verify rounds (section 3)."""
+        """Mean accepted + 1 over verify rounds (docs/metrics.md, 'Definitions')."""
         return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 0.0
 
 

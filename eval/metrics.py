@@ -1,4 +1,4 @@
-"""Acceptance metrics with the names and definitions of ALGORITHMS.md section 3.
+"""Acceptance metrics with the names and definitions of docs/metrics.md, 'Definitions'.
 
 a_k       per-position conditional acceptance: P(draft k accepted | drafts 1..k-1 accepted), k = 1..B-1
 tau       acceptance length: mean over verify rounds of (accepted + 1), the bonus token included

@@ -1,6 +1,6 @@
 """Evaluation stage (dflash-eval): the drafter's acceptance offline and with real verification, and its speed.
 
-Offline (teacher-forced, no generation; every anchor of every sequence, ALGORITHMS.md section 3):
+Offline (teacher-forced, no generation; every anchor of every sequence; docs/metrics.md, 'Offline evaluation'):
 - `teacher_heldout`: the held-out teacher sequences of the training run (DrafterComponent.heldout_idx), reported
   once: they come from teacher data, not from an eval set. Skipped (null) when the teacher data is absent or is not
   the data the drafter was trained on (then the held-out split is unknown).

@@ -1,5 +1,5 @@
-"""DFlash block drafter (ALGORITHMS.md sections 1, 2, 9), in reading order: config, norm, rotary, MLP, attention,
-layer, model.
+"""DFlash block drafter (docs/methods.md; export format: docs/export.md), in reading order: config, norm, rotary,
+MLP, attention, layer, model.
 
 The drafter drafts a whole block of B tokens in one forward. Its queries are the block tokens
 ([anchor, MASK x (B-1)], embedded with the target's frozen table); every layer's keys/values are its own k_proj/v_proj
@@ -27,7 +27,8 @@ from torch import nn
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Tapped target layers of section 1.3: the middle layer for one tap, else spread over layers 1 .. L-3."""
+    """Tapped target layers (docs/methods.md, 'Tapped layers'): the middle layer for one tap, else spread over
+    layers 1 .. L-3."""
     if num_taps == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
@@ -62,7 +63,7 @@ class DFlashDrafterConfig:
             raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
 
     def to_dict(self) -> dict:
-        """The config.json that serving engines load (section 9)."""
+        """The config.json that serving engines load (docs/export.md)."""
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -196,7 +197,8 @@ class DFlashDecoderLayer(nn.Module):
 def packed_attention_mask(anchor_pos: torch.Tensor, num_context: int, block_size: int,
                           context_valid: torch.Tensor | None = None,
                           anchor_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Training mask of Nb packed blocks (section 2): (Bc, Nb*B, Tc + Nb*B) bool, True = may attend.
+    """Training mask of Nb packed blocks (docs/methods.md, 'Packed training'): (Bc, Nb*B, Tc + Nb*B) bool,
+    True = may attend.
 
     anchor_pos (Bc, Nb); context_valid (Bc, Tc) marks real (not padded) context tokens; anchor_valid (Bc, Nb) marks
     real blocks. A block token sees context t iff t < its anchor (and t is valid), sees its whole block, and never
@@ -293,7 +295,7 @@ class DFlashDrafter(nn.Module):
     # ---- vocabulary ----
 
     def set_draft_vocab(self, token_ids: torch.Tensor):
-        """Restrict logits to these target token ids (Vd,): fewer LM-head rows, the main training cost (section 11)."""
+        """Restrict logits to these target token ids (Vd,): fewer LM-head rows, the main training cost."""
         self.draft_to_target = token_ids.detach().to(device=self.norm.weight.device, dtype=torch.long).clone()
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
@@ -379,7 +381,7 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cache.keys[i], cache.values[i], cos, sin)
         return self.norm(x)
 
-    # ---- checkpoint (section 9) ----
+    # ---- checkpoint (docs/export.md) ----
 
     def save_pretrained(self, path: str, extra_config: dict | None = None):
         """Write config.json and model.safetensors (engine format, no embed_tokens/lm_head), each atomically."""

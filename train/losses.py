@@ -1,4 +1,4 @@
-"""Block losses of ALGORITHMS.md section 2. Every loss returns a SUM and its normaliser separately, so the training
+"""Block losses (docs/methods.md, 'Losses'). Every loss returns a SUM and its normaliser separately, so the training
 loop can normalise by the global count across processes and micro-batches (the same gradient on 1 or N processes).
 
 Shapes: N blocks, P = B - 1 drafted positions, V (draft) vocabulary.
