@@ -89,6 +89,9 @@ class DrafterConfig:
     block_size: int = 16
     mask_token_id: Optional[int] = None  # None: chosen from the tokenizer (see README)
     init: str = "random"  # random | target: layers and final norm copied from the target's last layers
+    # The attention kernel (models/drafter.py ATTENTION_FUNCTIONS): eager = plain matmul + softmax, the reference;
+    # sdpa = torch's scaled_dot_product_attention (fused kernels on GPU). Not part of the export.
+    attn_implementation: str = "sdpa"
 
 
 @dataclass

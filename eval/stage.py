@@ -115,6 +115,7 @@ def load_drafter(cfg: DictConfig, train_dir: Path, target: Target) -> tuple[DFla
                         "first or set eval.drafter_dir to an exported folder")
     model = target.model
     drafter = DFlashDrafter.from_pretrained(str(folder), model.get_input_embeddings(), model.get_output_embeddings())
+    drafter.set_attn_implementation(str(cfg.drafter.attn_implementation))
     c = drafter.config
     if c.num_target_layers != target.num_layers or c.target_hidden_size != target.hidden_size:
         raise EvalError(f"drafter {folder} was trained for a target with {c.num_target_layers} layers and hidden size "

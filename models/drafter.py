@@ -1,5 +1,6 @@
-"""DFlash block drafter (docs/methods.md; export format: docs/export.md), in reading order: config, norm, rotary,
-MLP, attention, layer, model.
+"""DFlash block drafter (docs/methods.md; export format: docs/export.md), in reading order: config, attention
+kernels, attention, layer, model. Norm, rotary embedding and MLP are transformers' Qwen3 modules; only the attention
+over [context | block] is written here.
 
 The drafter drafts a whole block of B tokens in one forward. Its queries are the block tokens
 ([anchor, MASK x (B-1)], embedded with the target's frozen table); every layer's keys/values are its own k_proj/v_proj
@@ -24,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv,
+                                                      rotate_half)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -51,8 +55,11 @@ class DFlashDrafterConfig:
     target_layer_ids: list[int]  # tapped target layers (n = len); layer i = transformers' hidden_states[i + 1]
     num_target_layers: int  # the target's total layer count
     mask_token_id: int
+    rope_scaling: dict | None = None  # the target's rope parameters besides rope_theta (rope_type, factor, ...)
+    attn_implementation: str = "sdpa"  # a key of ATTENTION_FUNCTIONS; a runtime choice, not exported
 
     def __post_init__(self):
+        attention_function(self.attn_implementation)
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one tapped target layer")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -75,7 +82,7 @@ class DFlashDrafterConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": False,
@@ -91,56 +98,55 @@ class DFlashDrafterConfig:
     def from_dict(cls, d: dict) -> DFlashDrafterConfig:
         """Inverse of to_dict; keys it does not know (e.g. the exporter's "pipeline" section) are ignored."""
         nested = d["dflash_config"]
-        values = {f.name: d[f.name] for f in fields(cls) if f.name not in ("target_layer_ids", "mask_token_id")}
-        return cls(**values, target_layer_ids=list(nested["target_layer_ids"]), mask_token_id=nested["mask_token_id"])
+        values = {f.name: d[f.name] for f in fields(cls)
+                  if f.name not in ("target_layer_ids", "mask_token_id", "rope_scaling", "attn_implementation")}
+        return cls(**values, rope_scaling=d.get("rope_scaling"), target_layer_ids=list(nested["target_layer_ids"]),
+                   mask_token_id=nested["mask_token_id"])
+
+    def qwen3_config(self) -> Qwen3Config:
+        """The transformers config that builds the Qwen3 modules (MLP, rotary with the target's rope parameters)."""
+        return Qwen3Config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size, hidden_act="silu",
+            rope_parameters={"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta})
 
 
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on one tensor x (Bt, heads, T, D) with cos/sin (Bt, T, D): transformers' apply_rotary_pos_emb, which
+    rotates a (q, k) pair, for the context keys that have no queries beside them."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of standard RoPE for explicit integer positions (..., T) -> two (..., 1, T, D) tensors.
-
-    Frequencies are computed in float32 on every call (no buffer), so a bf16 model keeps exact positions.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (..., T, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (..., T, D)
-    return angles.cos().to(dtype).unsqueeze(-3), angles.sin().to(dtype).unsqueeze(-3)  # broadcast over heads
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def eager_attention(q, k, v, mask):
+    """The plain path the kernels are tested against: q (Bt, h, Q, D); k, v (Bt, hk, S, D); mask (Bt, 1, Q, S) bool,
+    True = may attend, or None = all visible. Softmax in float32. Returns (Bt, h, Q, D)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (Bt, h, Q, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # x (Bt, h, T, D)
+def sdpa_attention(q, k, v, mask):
+    """torch's fused kernels, same arguments. K/V heads are repeated here: SDPA's own GQA (enable_gqa) falls back to
+    the math kernel on CUDA when a mask is given."""
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), no bias."""
+# The one lookup of the attention kernel (config.attn_implementation). A new kernel must equal eager on the packed
+# mask, the cached step and the gradients (tests/test_drafter_modules.py). flex_attention with a block mask is not
+# here: torch has no flex backward on CPU, so its training path cannot be tested without a GPU.
+ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention}
 
-    def __init__(self, config: DFlashDrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def attention_function(name: str):
+    if name not in ATTENTION_FUNCTIONS:
+        raise ValueError(f"unknown attn_implementation {name!r}; use one of {sorted(ATTENTION_FUNCTIONS)}")
+    return ATTENTION_FUNCTIONS[name]
 
 
 class DFlashAttention(nn.Module):
@@ -148,34 +154,33 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, config: DFlashDrafterConfig):
         super().__init__()
+        self.config = config
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                             config.head_dim)
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys (k_norm, then RoPE) and values of x (Bt, T, H) -> two (Bt, hk, T, D). Used for context and block."""
         Bt, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(Bt, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(Bt, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rotary(k, cos, sin), v
+        return rotate(k, cos, sin), v
 
     def forward(self, x, context_k, context_v, cos, sin, mask=None) -> torch.Tensor:
-        """x (Bt, Q, H) normed block hidden; context_k/v (Bt, hk, Tc, D); cos/sin at the block positions;
+        """x (Bt, Q, H) normed block hidden; context_k/v (Bt, hk, Tc, D); cos/sin (Bt, Q, D) at the block positions;
         mask (Bt, 1, Q, Tc + Q) bool, True = may attend, or None = all visible. Returns (Bt, Q, H)."""
         Bt, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(Bt, Q, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)  # (Bt, h, Q, D)
+        q = rotate(q, cos, sin)  # (Bt, h, Q, D)
         block_k, block_v = self.project_kv(x, cos, sin)
         k = torch.cat([context_k, block_k], dim=2)  # (Bt, hk, Tc + Q, D)
         v = torch.cat([context_v, block_v], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (Bt, h, Tc + Q, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (Bt, h, Q, D)
+        out = attention_function(self.config.attn_implementation)(q, k, v, mask)  # (Bt, h, Q, D)
         return self.o_proj(out.transpose(1, 2).reshape(Bt, Q, self.num_heads * self.head_dim))
 
 
@@ -184,10 +189,10 @@ class DFlashDecoderLayer(nn.Module):
 
     def __init__(self, config: DFlashDrafterConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DFlashAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config.qwen3_config())
 
     def forward(self, x, context_k, context_v, cos, sin, mask=None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
@@ -262,11 +267,14 @@ class DFlashDrafter(nn.Module):
         embed_tokens.requires_grad_(False)
         lm_head.requires_grad_(False)
         self._target_modules = (embed_tokens, lm_head)
+        # Outside the module tree as well: a dtype cast must not round its float32 frequencies (bf16 inv_freq would
+        # shift positions); device moves carry it along (_apply).
+        self._rotary = (Qwen3RotaryEmbedding(config.qwen3_config()),)
         n = len(config.target_layer_ids)
         self.fc = nn.Linear(n * config.target_hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("draft_to_target", None)  # (Vd,) target ids of the draft vocabulary, saved when set
         self.apply(self._init_weights)
 
@@ -274,7 +282,7 @@ class DFlashDrafter(nn.Module):
     def _init_weights(module: nn.Module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
-        elif isinstance(module, RMSNorm):
+        elif isinstance(module, Qwen3RMSNorm):
             nn.init.ones_(module.weight)
 
     @property
@@ -288,7 +296,7 @@ class DFlashDrafter(nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         device = self.norm.weight.device
-        for module in self._target_modules:
+        for module in (*self._target_modules, *self._rotary):
             module.to(device)
         return self
 
@@ -321,6 +329,11 @@ class DFlashDrafter(nn.Module):
 
     # ---- forward paths ----
 
+    def set_attn_implementation(self, name: str):
+        """Switch the attention kernel (a key of ATTENTION_FUNCTIONS), e.g. after from_pretrained; weights unchanged."""
+        attention_function(name)
+        self.config.attn_implementation = name
+
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """Tapped target features (..., T, n*Ht) -> fused context (..., T, H)."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
@@ -328,9 +341,10 @@ class DFlashDrafter(nn.Module):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids).to(self.fc.weight.dtype)
 
-    def _rotary(self, positions: torch.Tensor):
-        c = self.config
-        return rotary_cos_sin(positions, c.head_dim, c.rope_theta, self.fc.weight.dtype)
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (Bt, T, D) in the drafter's dtype for integer positions (Bt, T): the target's RoPE, scaling
+        included, from float32 frequencies."""
+        return self._rotary[0](self.fc.weight, positions)
 
     def forward_packed(self, features: torch.Tensor, block_ids: torch.Tensor, anchor_pos: torch.Tensor,
                        context_valid: torch.Tensor | None = None,
@@ -346,8 +360,8 @@ class DFlashDrafter(nn.Module):
         context = self.fuse_context(features)  # (Bc, Tc, H)
         context_pos = torch.arange(Tc, device=features.device).expand(Bc, Tc)
         block_pos = (anchor_pos[..., None] + torch.arange(B, device=anchor_pos.device)).reshape(Bc, Nb * B)
-        context_cos, context_sin = self._rotary(context_pos)
-        cos, sin = self._rotary(block_pos)
+        context_cos, context_sin = self.rotary(context_pos)
+        cos, sin = self.rotary(block_pos)
         mask = packed_attention_mask(anchor_pos, Tc, B, context_valid, anchor_valid)[:, None]  # (Bc, 1, Nb*B, Tc+Nb*B)
         x = self._embed(block_ids).reshape(Bc, Nb * B, -1)  # (Bc, Nb*B, H)
         for layer in self.layers:
@@ -363,7 +377,7 @@ class DFlashDrafter(nn.Module):
     def extend_cache(self, new_features: torch.Tensor, new_positions: torch.Tensor, cache: DrafterCache):
         """Append newly committed context to the cache. new_features (Bt, Tn, n*Ht); new_positions (Bt, Tn) or (Tn,)."""
         context = self.fuse_context(new_features)  # (Bt, Tn, H)
-        cos, sin = self._rotary(new_positions.expand(context.shape[0], -1))
+        cos, sin = self.rotary(new_positions.expand(context.shape[0], -1))
         for i, layer in enumerate(self.layers):
             cache.append(i, *layer.self_attn.project_kv(context, cos, sin))
 
@@ -376,7 +390,7 @@ class DFlashDrafter(nn.Module):
         """
         self.extend_cache(new_features, new_positions, cache)
         x = self._embed(block_ids)  # (Bt, B, H)
-        cos, sin = self._rotary(block_positions.expand(x.shape[0], -1))
+        cos, sin = self.rotary(block_positions.expand(x.shape[0], -1))
         for i, layer in enumerate(self.layers):
             x = layer(x, cache.keys[i], cache.values[i], cos, sin)
         return self.norm(x)

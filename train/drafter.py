@@ -51,11 +51,23 @@ def choose_mask_token(tokenizer, vocab_size: int) -> int:
     return usable[-1]
 
 
+def target_rope(tc) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a transformers config: its rope_parameters besides rope_theta, or None for plain
+    RoPE, so the drafter's positions (YaRN, llama3, ...) are the target's. Per-layer-type parameters (e.g. sliding
+    and full attention) give the full-attention ones: the drafter's attention is full."""
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    theta = float(rope.pop("rope_theta", getattr(tc, "rope_theta", 10000.0)))
+    rope.pop("type", None)  # the pre-rope_type spelling; standardised configs carry rope_type too
+    return theta, (None if rope.get("rope_type", "default") == "default" and set(rope) <= {"rope_type"} else rope)
+
+
 def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFlashDrafterConfig:
     """The drafter's shape: conf/drafter values, the rest from the target (width, heads, rope, vocab)."""
     d, tc = cfg.drafter, target.model.config
     head_dim = d.head_dim or getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    rope = getattr(tc, "rope_parameters", None) or {}
+    rope_theta, rope_scaling = target_rope(tc)
     return DFlashDrafterConfig(
         hidden_size=d.hidden_size or tc.hidden_size,
         intermediate_size=d.intermediate_size or tc.intermediate_size,
@@ -64,7 +76,8 @@ def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFl
         num_key_value_heads=d.num_key_value_heads or tc.num_key_value_heads,
         head_dim=head_dim,
         rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=tc.max_position_embeddings,
         vocab_size=tc.vocab_size,
         block_size=d.block_size,
@@ -73,6 +86,7 @@ def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFl
         num_target_layers=tc.num_hidden_layers,
         mask_token_id=d.mask_token_id if d.mask_token_id is not None else choose_mask_token(
             target.tokenizer, tc.vocab_size),
+        attn_implementation=str(d.attn_implementation),
     )
 
 
