@@ -275,7 +275,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.register_buffer("draft_to_target", None)  # (Vd,) target ids of the draft vocabulary, saved when set
+        self.register_buffer("draft_to_target", None)  # (Vd,) target ids of the draft vocabulary; exported as d2t
         self.apply(self._init_weights)
 
     @staticmethod
@@ -303,8 +303,13 @@ class DFlashDrafter(nn.Module):
     # ---- vocabulary ----
 
     def set_draft_vocab(self, token_ids: torch.Tensor):
-        """Restrict logits to these target token ids (Vd,): fewer LM-head rows, the main training cost."""
-        self.draft_to_target = token_ids.detach().to(device=self.norm.weight.device, dtype=torch.long).clone()
+        """Restrict logits to these target token ids (Vd,), distinct: fewer LM-head rows, the main training cost."""
+        ids = token_ids.detach().to(device=self.norm.weight.device, dtype=torch.long).clone()
+        if ids.ndim != 1 or ids.numel() == 0 or ids.unique().numel() != ids.numel():
+            raise ValueError("the draft vocabulary must be a non-empty 1-D tensor of distinct target token ids")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in 0 .. {self.config.vocab_size - 1}")
+        self.draft_to_target = ids
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Map logit column indices to target token ids (identity with the full vocabulary)."""
@@ -395,16 +400,35 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cache.keys[i], cache.values[i], cos, sin)
         return self.norm(x)
 
-    # ---- checkpoint (docs/export.md) ----
+    # ---- checkpoint: the engine format of docs/export.md ----
+
+    def export_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors of model.safetensors and the top-level config.json keys of the engine format (docs/export.md).
+
+        Full vocabulary: the drafter's own weights only; engines reuse the target's embed_tokens and lm_head.
+        Draft vocabulary (Vd < V), the reduced-vocabulary convention of vLLM's DFlash / EAGLE-3 loaders: also
+        `lm_head.weight` (Vd, H), the target's LM-head rows the drafter was trained against, in the head's dtype;
+        `d2t` (Vd,) int64 offsets, target id = draft id + d2t[draft id]; and config.json `draft_vocab_size` = Vd.
+        A draft vocabulary that covers the whole target vocabulary is exported as the full vocabulary.
+        """
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "draft_to_target"}
+        ids = self.draft_to_target
+        if ids is None or len(ids) == self.config.vocab_size:
+            return tensors, {}
+        if self.lm_head.bias is not None:
+            raise ValueError("the target's LM head has a bias; the engines' draft-vocabulary lm_head has none")
+        ids = ids.cpu()
+        tensors["lm_head.weight"] = self.lm_head.weight.detach()[ids.to(self.lm_head.weight.device)].cpu().contiguous()
+        tensors["d2t"] = ids - torch.arange(len(ids))
+        return tensors, {"draft_vocab_size": len(ids)}
 
     def save_pretrained(self, path: str, extra_config: dict | None = None):
-        """Write config.json and model.safetensors (engine format, no embed_tokens/lm_head), each atomically."""
+        """Write config.json and model.safetensors in the engine format of `export_tensors`, each atomically."""
         os.makedirs(path, exist_ok=True)
+        tensors, top_level = self.export_tensors()
         config = self.config.to_dict()
-        if self.draft_to_target is not None:
-            config["dflash_config"]["draft_vocab_size"] = int(self.draft_to_target.numel())
+        config.update(top_level)
         config.update(extra_config or {})
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         weights_file, config_file = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
         save_file(tensors, weights_file + ".tmp", metadata={"format": "pt"})
         os.replace(weights_file + ".tmp", weights_file)
@@ -415,18 +439,44 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DFlashDrafter:
         """Load a save_pretrained folder (safetensors only); every key must match exactly. Weights are copied into
-        a float32 model: cast with .to(dtype) afterwards."""
+        a float32 model: cast with .to(dtype) afterwards.
+
+        A draft-vocabulary export (`d2t` + `lm_head.weight`) restores the draft vocabulary; its lm_head must be the
+        given target's rows (compared in the narrower of the two dtypes), else the drafter was trained against
+        another target. Older exports that stored the ids as `draft_to_target` still load."""
         with open(os.path.join(path, "config.json")) as f:
             config_dict = json.load(f)
         model = cls(DFlashDrafterConfig.from_dict(config_dict), embed_tokens, lm_head)
         tensors = load_file(os.path.join(path, "model.safetensors"))
-        draft_vocab_size = config_dict["dflash_config"].get("draft_vocab_size")
-        if draft_vocab_size is not None:  # shape the buffer; load_state_dict fills it
-            model.set_draft_vocab(torch.zeros(draft_vocab_size, dtype=torch.long))
-        expected = set(model.state_dict())
+        own = set(model.state_dict())
+        vocab = model.config.vocab_size
+        if config_dict.get("draft_vocab_size", vocab) != vocab:
+            vocab_keys = {"d2t", "lm_head.weight"}
+        elif config_dict["dflash_config"].get("draft_vocab_size") is not None:
+            vocab_keys = {"draft_to_target"}  # the format before d2t
+        else:
+            vocab_keys = set()
+        expected = own | vocab_keys
         missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         if missing or unexpected:
             raise ValueError(f"{path}/model.safetensors does not match the drafter: missing keys {missing}, "
                              f"unexpected keys {unexpected}")
-        model.load_state_dict(tensors, strict=True)
+        if "d2t" in vocab_keys:
+            d2t, head = tensors["d2t"], tensors["lm_head.weight"]
+            if d2t.shape != (config_dict["draft_vocab_size"],) or head.shape != (len(d2t), model.config.hidden_size):
+                raise ValueError(f"{path}: d2t {tuple(d2t.shape)} / lm_head.weight {tuple(head.shape)} do not match "
+                                 f"draft_vocab_size {config_dict['draft_vocab_size']}")
+            ids = torch.arange(len(d2t)) + d2t.long()
+            model.set_draft_vocab(ids)
+            rows = lm_head.weight.detach()[ids.to(lm_head.weight.device)].cpu()
+            dtype = head.dtype if head.element_size() <= rows.element_size() else rows.dtype
+            if not torch.equal(head.to(dtype), rows.to(dtype)):
+                raise ValueError(f"{path}: lm_head.weight is not the given target's LM-head rows of the draft "
+                                 "vocabulary; the drafter was exported for another target")
+        elif vocab_keys:
+            model.set_draft_vocab(tensors["draft_to_target"])
+        state = {k: tensors[k] for k in own}
+        if model.draft_to_target is not None:
+            state["draft_to_target"] = model.draft_to_target
+        model.load_state_dict(state, strict=True)
         return model

@@ -181,7 +181,7 @@ def test_save_load_round_trip(tmp_path, draft_vocab):
     model.save_pretrained(str(tmp_path), extra_config={"pipeline": {"target": "tiny"}})
 
     keys = set(load_file(str(tmp_path / "model.safetensors")))
-    assert keys == SECTION9_KEYS | ({"draft_to_target"} if draft_vocab else set())
+    assert keys == SECTION9_KEYS | ({"d2t", "lm_head.weight"} if draft_vocab else set())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no .tmp left
     config = json.loads((tmp_path / "config.json").read_text())
     for key in ["architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
@@ -190,7 +190,8 @@ def test_save_load_round_trip(tmp_path, draft_vocab):
                 "num_target_layers", "target_hidden_size", "dflash_config", "hidden_act", "attention_bias"]:
         assert key in config, key
     assert config["pipeline"] == {"target": "tiny"}
-    assert config["dflash_config"].get("draft_vocab_size") == (6 if draft_vocab else None)
+    assert config.get("draft_vocab_size") == (6 if draft_vocab else None)  # top level, where vLLM reads it
+    assert "draft_vocab_size" not in config["dflash_config"]
 
     loaded = DFlashDrafter.from_pretrained(str(tmp_path), model.embed_tokens, model.lm_head).eval()
     features, block_ids, anchor_pos = inputs()

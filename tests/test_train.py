@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
@@ -134,7 +135,8 @@ def test_draft_vocabulary_head(tiny_teacher, tmp_path):
     run = run_train(make_config("trainer.steps=2", "trainer.draft_vocab_size=50"), tmp_path / "run",
                     data_dir=tiny_teacher)
     config = json.loads((run / "export" / "config.json").read_text())
-    assert config["dflash_config"]["draft_vocab_size"] == 50
+    assert config["draft_vocab_size"] == 50
+    assert set(load_file(str(run / "export" / "model.safetensors"))) >= {"d2t", "lm_head.weight"}
 
 
 @pytest.mark.parametrize("loss", ["dpace", "kl"])

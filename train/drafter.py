@@ -251,7 +251,8 @@ class DrafterComponent:
 
     # -- export ----------------------------------------------------------------------------------------------
     def export(self, model, folder: Path) -> Path:
-        """The engine format of ALGORITHMS.md section 9, plus where the target and teacher data came from."""
+        """The engine format (docs/export.md: full vocabulary, or with trainer.draft_vocab_size the drafter's own
+        lm_head over the draft vocabulary + d2t), plus where the target and teacher data came from."""
         drafter = getattr(model, "module", model)
         drafter.save_pretrained(str(folder), extra_config={"dflash_pipeline": {
             "target": self.target.ref,
