@@ -18,14 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
+from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, read_shard_record, write_json, write_shard
 from dflash_pipeline.data.sources import load_conversations
@@ -76,8 +75,13 @@ def sample_seed(seed: int, sample_id: str, turn: int) -> int:
 
 
 # -- one shard -------------------------------------------------------------------------------------------------
-def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, on_tokens=None) -> list[dict]:
-    """Regenerate the assistant turns of `convs` in batches; returns samples with input_ids and loss_mask."""
+def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, progress: Progress | None = None
+               ) -> list[dict]:
+    """Regenerate the assistant turns of `convs` in batches; returns samples with input_ids and loss_mask.
+
+    progress: counts each conversation as done in equal parts as its replies finish (inside a generation batch),
+    and the generated tokens as "gen tok".
+    """
     tok, t = target.tokenizer, cfg.teacher
     eos_ids = target.eos_ids
     max_len = target.model.config.max_position_embeddings
@@ -85,6 +89,7 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, on
     for c in convs:
         samples.append({"id": c["id"], "segments": chat_segments(tok, c["messages"], t.max_turns),
                         "input_ids": [], "loss_mask": [], "num_turns": 0})
+    counted = [0.0]  # samples reported to `progress` so far
     for turn in range(t.max_turns):
         todo = []
         for s in samples:
@@ -103,15 +108,22 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, on
             gens = None
             if t.temperature > 0:
                 gens = [torch.Generator().manual_seed(sample_seed(seed, s["id"], turn)) for s in batch]
+
+            def on_step(new_tokens: int, finished: list[int], batch=batch) -> None:
+                progress.add("gen tok", new_tokens)
+                part = sum(1 / len(batch[r]["segments"]) for r in finished)
+                counted[0] += part
+                progress.update(part)
+
             replies = generate(target.model, [s["input_ids"] for s in batch], max_new_tokens=t.max_new_tokens,
                                eos_ids=eos_ids, pad_id=tok.pad_token_id, temperature=t.temperature,
-                               top_p=t.top_p, generators=gens)
+                               top_p=t.top_p, generators=gens, on_step=on_step if progress else None)
             for s, r in zip(batch, replies):
                 s["input_ids"] += r
                 s["loss_mask"] += [1] * len(r)
                 s["num_turns"] += 1
-            if on_tokens:
-                on_tokens(sum(len(r) for r in replies))
+    if progress is not None:  # turns skipped for want of context room, and conversations without a turn
+        progress.update(len(samples) - counted[0])
     return samples
 
 
@@ -202,20 +214,12 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
     total = sum(len(shards[k]) for k in mine)
     done = total - sum(len(shards[k]) for k in todo)
     log.info("teacher: %d samples in %d shards (%d done), layers %s -> %s", total, len(mine), done, layer_ids, out)
-    bar = tqdm(total=total, initial=done, unit="sample", desc="teacher", disable=not state.is_local_main_process)
-    start, generated = time.perf_counter(), 0
-
-    def on_tokens(n: int) -> None:
-        nonlocal generated
-        generated += n
-        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.0f} gen tok/s")
-
-    for k in todo:
-        samples = regenerate(target, [convs[i] for i in shards[k]], cfg, cfg.seed, on_tokens)
-        add_features(target, samples, layer_ids, cfg)
-        write_shard(out, k, samples, feature_dtype)
-        bar.update(len(shards[k]))
-    bar.close()
+    desc = "teacher" if state.num_processes == 1 else f"teacher (rank 0 of {state.num_processes})"
+    with Progress(desc, total, "sample", initial=done, enabled=state.is_main_process) as bar:
+        for k in todo:  # the bar moves as replies finish; features and the shard file follow each shard
+            samples = regenerate(target, [convs[i] for i in shards[k]], cfg, cfg.seed, bar)
+            add_features(target, samples, layer_ids, cfg)
+            write_shard(out, k, samples, feature_dtype)
     state.wait_for_everyone()
 
     if state.is_main_process:

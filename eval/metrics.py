@@ -14,6 +14,7 @@ import torch
 from dflash_pipeline.data.blocks import pack_blocks
 
 if TYPE_CHECKING:
+    from dflash_pipeline.conf.progress import Progress
     from dflash_pipeline.models.drafter import DFlashDrafter
 
 
@@ -80,10 +81,11 @@ def accepted_length_stats(accepted: list[int], block_size: int) -> dict:
 
 @torch.no_grad()
 def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, ks: list[int],
-                    chunk: int = 64) -> dict:
+                    chunk: int = 64, progress: Progress | None = None) -> dict:
     """Teacher-forced a_k, Recall@K and tau_offline over every anchor of `items` (input_ids, loss_mask, features).
 
     Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
+    progress: counts one per item.
     """
     device = drafter.norm.weight.device
     to_column = drafter.target_to_column()
@@ -101,6 +103,8 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
         tops += [drafter.logits(part).topk(kmax, dim=-1).indices for part in h.split(chunk)]  # (n, B-1, kmax)
         labels.append(to_column[b["labels"][keep]])
         valids.append(b["label_valid"][keep])
+        if progress is not None:
+            progress.update()
     top, label, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
     a, counts = conditional_acceptance(top[..., 0] == label, valid)
     rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.stages import config_hash, recorded_hash
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.sources import load_conversations
@@ -171,12 +172,20 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
             return None
         return torch.Generator(device=device).manual_seed(step_seed(seed, label, *parts) % (2 ** 63))
 
+    bar = Progress(f"eval {label} {method.name}", len(prompts), "prompt")
+    part = 1 / (4 * repeats)  # a prompt is done after repeats x (AR, spec, spec, AR)
+
     def ar(i, run):
-        return autoregressive(target, prompts[i]["prompt_ids"], max_new_tokens, temperature, gen(i, "ar", run))
+        out = autoregressive(target, prompts[i]["prompt_ids"], max_new_tokens, temperature, gen(i, "ar", run))
+        bar.update(0 if run == "warmup" else part)
+        return out
 
     def spec(i, run):
-        return speculative(target, method, prompts[i]["prompt_ids"], max_new_tokens, block_size, temperature,
-                           gen(i, "spec", run))
+        out = speculative(target, method, prompts[i]["prompt_ids"], max_new_tokens, block_size, temperature,
+                          gen(i, "spec", run))
+        bar.update(0 if run == "warmup" else part)
+        return out
+
 
     ar(0, "warmup"), spec(0, "warmup")
     ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
@@ -207,6 +216,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
                     pos = check_exact(p["id"], a1, other, what, strict)
                     if pos is not None:
                         mismatches.append({"prompt": p["id"], "position": pos, "run": what})
+    bar.close()
     stats = accepted_length_stats(accepted, block_size)
     ms_ar, ms_spec = 1e3 * _median(ar_s_per_tok), 1e3 * _median(spec_s_per_tok)
     total_draft, total_verify = sum(draft_s), sum(verify_s)
@@ -316,8 +326,10 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         "methods": {m: {} for m in e.methods},
     }
     items, note = teacher_heldout_items(cfg, teacher_dir, drafter_dir, target, layer_ids)
-    results["offline"]["teacher_heldout"] = offline_metrics(drafter, items, B, ks) if items else None
+    results["offline"]["teacher_heldout"] = None
     if items:
+        with Progress("eval teacher_heldout offline", len(items), "sequence") as bar:
+            results["offline"]["teacher_heldout"] = offline_metrics(drafter, items, B, ks, progress=bar)
         log.info("offline on %s: a_k %s tau_offline %.3f", note,
                  [round(x, 3) for x in results["offline"]["teacher_heldout"]["a_k"]],
                  results["offline"]["teacher_heldout"]["tau_offline"])
@@ -338,7 +350,8 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             ar_outputs = online.pop("ar_outputs")
             if offline is None:  # the drafter's teacher-forced metrics on these prompts' target replies
                 seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, ar_outputs)]
-                offline = offline_metrics(drafter, reply_items(target, layer_ids, seqs), B, ks)
+                with Progress(f"eval {label} offline", len(seqs), "sequence") as bar:
+                    offline = offline_metrics(drafter, reply_items(target, layer_ids, seqs), B, ks, progress=bar)
                 results["offline"][label] = offline
             results["methods"][m][label] = {
                 **online,

@@ -7,6 +7,8 @@ share its batch (needed for a crash-resumed run to equal an uninterrupted one).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -35,8 +37,13 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generators: list[torch.Generator] | None = None,
+    on_step: Callable[[int, list[int]], None] | None = None,
 ) -> list[list[int]]:
-    """Continue each prompt until an EOS id (kept) or max_new_tokens. Left padding, one forward per step."""
+    """Continue each prompt until an EOS id (kept) or max_new_tokens. Left padding, one forward per step.
+
+    on_step(new_tokens, finished_rows): called after every decode step with the number of tokens it produced and
+    the prompt indices whose reply ended there (for progress reporting as rows finish).
+    """
     device = model.device
     rows = len(prompts)
     width = max(len(p) for p in prompts)
@@ -59,7 +66,10 @@ def generate(
         for r, t in zip(active, tokens.tolist()):
             results[r].append(t)
         keep = ~torch.isin(tokens, eos)
-        if step + 1 == max_new_tokens or not keep.any():
+        last = step + 1 == max_new_tokens or not keep.any()
+        if on_step:
+            on_step(len(active), active if last else [r for r, k in zip(active, keep.tolist()) if not k])
+        if last:
             break
         if not keep.all():
             idx = keep.nonzero().squeeze(-1)

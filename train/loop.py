@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator, DistributedType
 from omegaconf import DictConfig
 
+from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.stages import config_hash, recorded_hash
 from dflash_pipeline.eval.metrics import conditional_acceptance
 from dflash_pipeline.train.errors import TrainError
@@ -111,6 +112,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     micro = per_rank // t.grad_accum
     model.train()
     clock, blocks_seen, tokens_seen = time.perf_counter(), 0, 0
+    bar = Progress("train", t.steps, "step", initial=start, enabled=accelerator.is_main_process)
     for step in range(start, t.steps):
         items = comp.step_items(step)
         mine = items[rank * per_rank: (rank + 1) * per_rank]
@@ -135,6 +137,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss = accelerator.reduce(torch.tensor(loss_total, device=accelerator.device), "sum").item() / max(norm, 1e-9)
+        bar.update()
 
         metrics = {"loss": loss}
         if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
@@ -146,8 +149,8 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
                             "train_acc_k": acc,
                             "anchor_blocks_per_s": blocks_seen / elapsed, "tokens_per_s": tokens_seen / elapsed})
             clock, blocks_seen, tokens_seen = time.perf_counter(), 0, 0
-            log.info("step %d/%d loss %.4f a_1 %.3f lr %.2e grad %.2f %.1f blocks/s", step + 1, t.steps, loss, a[0],
-                     metrics["lr"], metrics["grad_norm"], metrics["anchor_blocks_per_s"])
+            log.info("step %d/%d loss %.4f a_1 %.3f lr %.2e grad %.2f %.1f blocks/s, ETA %s", step + 1, t.steps, loss,
+                     a[0], metrics["lr"], metrics["grad_norm"], metrics["anchor_blocks_per_s"], bar.eta_text())
         if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
             if accelerator.is_main_process:
                 metrics["heldout"] = comp.evaluate(model)
@@ -157,6 +160,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         logger.log(metrics, step + 1)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
             save_checkpoint(accelerator, ckpt_dir, step + 1, t.keep_checkpoints, digest)
+    bar.close()
 
     if accelerator.is_main_process:
         comp.export(accelerator.unwrap_model(model), out / "export")
