@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chi2
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-import eval.decode as decode
+from dflash_pipeline.eval import decode
 from dflash_pipeline.conf.stages import config_hash
 from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, conditional_acceptance, offline_metrics, recall_at_k, simulated_tau
