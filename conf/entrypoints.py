@@ -6,6 +6,7 @@ finds the output of the one before it without extra arguments.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,13 +23,14 @@ log = logging.getLogger("dflash")
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that come from bad input: shown as one line, not a traceback."""
+    from dflash_pipeline.conf.schema import ConfigError
     from dflash_pipeline.data.shards import DatasetError
     from dflash_pipeline.data.sources import DataSourceError
     from dflash_pipeline.models.target import TargetError
     from dflash_pipeline.eval.stage import EvalError
     from dflash_pipeline.train.loop import TrainError
 
-    return (DatasetError, DataSourceError, TargetError, TrainError, EvalError)
+    return (ConfigError, DatasetError, DataSourceError, TargetError, TrainError, EvalError)
 
 
 def _job_dirs() -> tuple[Path, Path | None]:
@@ -47,8 +49,7 @@ def _guard(fn):
         try:
             return fn(cfg)
         except _user_errors() as e:
-            log.error("%s", e)
-            print(f"error: {e}", file=sys.stderr)
+            _report(e)
             sys.exit(2)
         finally:
             _reset_accelerate()
@@ -56,6 +57,15 @@ def _guard(fn):
     wrapped.__name__ = fn.__name__
     wrapped.__doc__ = fn.__doc__
     return wrapped
+
+
+def _report(error: Exception) -> None:
+    """One line on stderr, and the same line in the job's log file (not on the console: it would show twice)."""
+    print(f"error: {error}", file=sys.stderr)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (error,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _reset_accelerate() -> None:
@@ -114,10 +124,11 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
 def _sweep_lock(folder: Path):
     """An exclusive file lock next to `folder`, held by the main process of the job only (its other processes
     wait at the barrier, so that all of them look at the folder after the lock holder does)."""
+    import torch
     from accelerate import PartialState
     from filelock import FileLock
 
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())  # as data/teacher.py
     if state.is_main_process:
         folder.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder) + ".lock"):
@@ -143,29 +154,24 @@ def _run(cfg: DictConfig, stages: list[str]) -> float | None:
     return objective(run_stages(cfg, run_dir, stages, shared))
 
 
-@hydra.main(config_path=".", config_name="config", version_base=None)
-@_guard
-def teacher(cfg: DictConfig) -> None:
-    """dflash-teacher: regenerate replies with the target and store its features."""
-    _run(cfg, ["teacher"])
+def _command(name: str, stages: list[str], doc: str):
+    """A console script: the Hydra app over conf/config.yaml that runs `stages`, known to Hydra (its --help, its job
+    log file `<name>.log`) by the command's own name rather than this module's."""
+
+    @hydra.main(config_path=".", config_name="config", version_base=None)
+    @_guard
+    def app(cfg: DictConfig) -> float | None:
+        return _run(cfg, stages)
+
+    def main() -> float | None:
+        os.environ["DFLASH_COMMAND"] = name  # read by conf/config.yaml: hydra.job.name
+        return app()
+
+    main.__name__, main.__doc__ = name.replace("-", "_"), f"{name}: {doc}"
+    return main
 
 
-@hydra.main(config_path=".", config_name="config", version_base=None)
-@_guard
-def train(cfg: DictConfig) -> float | None:
-    """dflash-train: train a component on the teacher dataset."""
-    return _run(cfg, ["train"])
-
-
-@hydra.main(config_path=".", config_name="config", version_base=None)
-@_guard
-def evaluate(cfg: DictConfig) -> float | None:
-    """dflash-eval: acceptance offline and with real verification."""
-    return _run(cfg, ["eval"])
-
-
-@hydra.main(config_path=".", config_name="config", version_base=None)
-@_guard
-def pipeline(cfg: DictConfig) -> float | None:
-    """dflash-pipeline: teacher -> train -> eval for one experiment."""
-    return _run(cfg, ["teacher", "train", "eval"])
+teacher = _command("dflash-teacher", ["teacher"], "regenerate replies with the target and store its features.")
+train = _command("dflash-train", ["train"], "train a component on the teacher dataset.")
+evaluate = _command("dflash-eval", ["eval"], "acceptance offline and with real verification.")
+pipeline = _command("dflash-pipeline", ["teacher", "train", "eval"], "teacher -> train -> eval for one experiment.")

@@ -1,28 +1,118 @@
 """Structured configs: the typed schema every YAML file under conf/ is validated against.
 
-Registered with Hydra's ConfigStore as the base of each config group, so a misspelt key or a value of the wrong type
-fails when the config is composed, before any work starts, with Hydra's message naming the key.
+Registered with Hydra's ConfigStore as the base of each config group, so a misspelt key, a value of the wrong type or
+an unknown choice (the Enum fields) fails when the config is composed, with Hydra's message naming the key and the
+valid choices. Numeric ranges are declared next to each field (`ranged`) and checked by `check_config`, which every
+stage calls before it reads or writes anything.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+
+class Choice(str, Enum):
+    """A config choice: compares, hashes, formats and serialises as its plain string value ("kl" == Loss.kl)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class TargetKind(Choice):
+    gguf = "gguf"
+    hf = "hf"
+    tiny = "tiny"
+
+
+class DType(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Source(Choice):
+    sharegpt = "sharegpt"
+    mtbench = "mtbench"
+    humaneval = "humaneval"
+    file = "file"
+    hf = "hf"
+
+
+class Split(Choice):
+    train = "train"
+    heldout = "heldout"
+    all = "all"
+
+
+class DrafterInit(Choice):
+    random = "random"
+    target = "target"
+
+
+class Attention(Choice):
+    eager = "eager"
+    sdpa = "sdpa"
+
+
+class Component(Choice):
+    drafter = "drafter"
+
+
+class Loss(Choice):
+    decay = "decay"
+    dpace = "dpace"
+    kl = "kl"
+
+
+class MixedPrecision(Choice):
+    no = "no"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class LoggerKind(Choice):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(Choice):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+    shared = "shared"
+
+
+class ConfigError(ValueError):
+    """A config value outside its valid range; the message names the key, the value and the range."""
+
+
+def ranged(default: Any = None, *, ge=None, gt=None, le=None, lt=None, nonempty: bool = False, factory=None):
+    """A field whose value (every element, for a list) must satisfy the bounds; None always passes (= automatic)."""
+    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt, "nonempty": nonempty}
+    if factory is not None:
+        return field(default_factory=factory, metadata={"range": bounds})
+    return field(default=default, metadata={"range": bounds})
 
 
 @dataclass
 class TinyTargetConfig:
     """A randomly initialised Llama-style target built in-process (tests, smoke runs)."""
 
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
+    hidden_size: int = ranged(64, ge=1)
+    intermediate_size: int = ranged(128, ge=1)
+    num_hidden_layers: int = ranged(6, ge=1)
+    num_attention_heads: int = ranged(4, ge=1)
+    num_key_value_heads: int = ranged(2, ge=1)
+    max_position_embeddings: int = ranged(2048, ge=1)
     init_seed: int = 0
 
 
@@ -34,27 +124,27 @@ class TargetConfig:
     safetensors folder), "hf" (a Hugging Face model id or local model folder), or "tiny".
     """
 
-    kind: str = "gguf"
+    kind: TargetKind = TargetKind.gguf
     path: str = MISSING  # HF id / local folder, or for gguf: "pkg:<package>" or a local folder holding gguf_file
     gguf_file: Optional[str] = None
     tokenizer: Optional[str] = None  # tiny: where its tokenizer comes from (an HF id/folder, or "target:<name>")
-    dtype: str = "float32"
+    dtype: DType = DType.float32
     trust_remote_code: bool = False
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 
 @dataclass
 class DataConfig:
-    """Where prompts come from (data/sources.py): sharegpt | mtbench | humaneval | file | hf."""
+    """Where prompts come from (data/sources.py)."""
 
-    source: str = "sharegpt"
+    source: Source = Source.sharegpt
     path: Optional[str] = None
     name: Optional[str] = None
-    split: str = "train"  # train | heldout | all (deterministic split by id)
-    heldout_fraction: float = 0.02
-    skip: int = 0
-    num_samples: Optional[int] = 64
-    max_prompt_tokens: int = 512
+    split: Split = Split.train  # deterministic split by id
+    heldout_fraction: float = ranged(0.02, ge=0.0, le=1.0)
+    skip: int = ranged(0, ge=0)
+    num_samples: Optional[int] = ranged(64, ge=1)  # None: all
+    max_prompt_tokens: int = ranged(512, ge=1)
 
 
 @dataclass
@@ -62,65 +152,67 @@ class TeacherConfig:
     """Teacher-data regeneration with the frozen target (data/teacher.py)."""
 
     out_dir: str = "teacher"  # relative to the run directory
-    num_taps: int = 5
-    layer_ids: Optional[list[int]] = None  # None: the DFlash spacing formula for num_taps
-    max_new_tokens: int = 256
-    max_turns: int = 1  # assistant turns regenerated per conversation, in order
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    batch_size: int = 32  # most rows decoded together
-    prefill_batch_tokens: int = 4096  # rows x longest prompt of a generation batch (length bucketing)
-    capture_batch_tokens: int = 8192  # rows x longest sequence of a feature-capture prefill batch
-    shard_size: int = 64  # samples per shard
-    feature_dtype: str = "bfloat16"
-    topk_logprobs: int = 0  # >0: also store the target's top-k log-probs per position (distillation)
+    num_taps: int = ranged(5, ge=1)
+    layer_ids: Optional[list[int]] = ranged(None, ge=0)  # None: the DFlash spacing formula for num_taps
+    max_new_tokens: int = ranged(256, ge=1)
+    max_turns: int = ranged(1, ge=1)  # assistant turns regenerated per conversation, in order
+    temperature: float = ranged(0.0, ge=0.0)  # 0 = greedy
+    top_p: float = ranged(1.0, gt=0.0, le=1.0)
+    batch_size: int = ranged(32, ge=1)  # most rows decoded together
+    prefill_batch_tokens: int = ranged(4096, ge=1)  # rows x longest prompt of a generation batch (length bucketing)
+    capture_batch_tokens: int = ranged(8192, ge=1)  # rows x longest sequence of a feature-capture prefill batch
+    shard_size: int = ranged(64, ge=1)  # samples per shard
+    feature_dtype: DType = DType.bfloat16
+    topk_logprobs: int = ranged(0, ge=0)  # >0: also store the target's top-k log-probs per position (distillation)
 
 
 @dataclass
 class DrafterConfig:
     """The DFlash block drafter (models/drafter.py)."""
 
-    num_layers: int = 2
-    hidden_size: Optional[int] = None  # None: the target's hidden size
-    intermediate_size: Optional[int] = None  # None: the target's intermediate size
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    block_size: int = 16
-    mask_token_id: Optional[int] = None  # None: chosen from the tokenizer (see README)
-    init: str = "random"  # random | target: layers and final norm copied from the target's last layers
+    num_layers: int = ranged(2, ge=1)
+    hidden_size: Optional[int] = ranged(None, ge=1)  # None: the target's hidden size
+    intermediate_size: Optional[int] = ranged(None, ge=1)  # None: the target's intermediate size
+    num_attention_heads: Optional[int] = ranged(None, ge=1)
+    num_key_value_heads: Optional[int] = ranged(None, ge=1)
+    head_dim: Optional[int] = ranged(None, ge=1)
+    block_size: int = ranged(16, ge=2)  # the anchor plus at least one drafted position
+    mask_token_id: Optional[int] = ranged(None, ge=0)  # None: chosen from the tokenizer (see README)
+    init: DrafterInit = DrafterInit.random  # target: layers and final norm copied from the target's last layers
     # The attention kernel (models/drafter.py ATTENTION_FUNCTIONS): eager = plain matmul + softmax, the reference;
     # sdpa = torch's scaled_dot_product_attention (fused kernels on GPU). Not part of the export.
-    attn_implementation: str = "sdpa"
+    attn_implementation: Attention = Attention.sdpa
 
 
 @dataclass
 class TrainerConfig:
     """The one training loop (train/loop.py); `component` picks what it trains."""
 
-    component: str = "drafter"
+    component: Component = Component.drafter
     out_dir: str = "train"
     data_dir: Optional[str] = None  # teacher dataset; None: the teacher stage's output in this run directory
-    steps: int = 100
-    lr: float = 6e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    batch_sequences: int = 8  # global batch (all processes, all micro-batches) of sequences per optimizer step
-    grad_accum: int = 1  # micro-batches per process per step
-    anchors_per_sequence: int = 48
-    loss: str = "decay"  # decay | dpace | kl
-    gamma: Optional[float] = None  # decay constant; None: from the block size (7 for 16, 5 for 10, 4 for 8)
-    dpace_alpha: float = 0.5
-    draft_vocab_size: Optional[int] = None  # None: full vocabulary (what engines expect)
-    heldout_samples: int = 16  # teacher sequences kept out of training for held-out metrics
-    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    steps: int = ranged(100, ge=1)
+    lr: float = ranged(6e-4, gt=0.0)
+    warmup_steps: int = ranged(10, ge=0)
+    weight_decay: float = ranged(0.0, ge=0.0)
+    grad_clip: float = ranged(1.0, ge=0.0)  # 0: no clipping
+    batch_sequences: int = ranged(8, ge=1)  # global batch (all processes, all micro-batches) of sequences per step
+    grad_accum: int = ranged(1, ge=1)  # micro-batches per process per step
+    anchors_per_sequence: int = ranged(48, ge=1)
+    loss: Loss = Loss.decay
+    gamma: Optional[float] = ranged(None, gt=0.0)  # decay constant; None: from the block size (7 for 16, 4 for 8)
+    dpace_alpha: float = ranged(0.5, ge=0.0, le=1.0)
+    draft_vocab_size: Optional[int] = ranged(None, ge=1)  # None: full vocabulary
+    heldout_samples: int = ranged(16, ge=1)  # teacher sequences kept out of training for held-out metrics
+    # None: whatever the launcher says (`accelerate launch --mixed_precision` / its config file; "no" without one);
+    # a value here overrides the launcher.
+    mixed_precision: Optional[MixedPrecision] = None
     online: bool = False  # features from the target in the loop instead of the stored teacher features
     resume: bool = False  # a killed run of the same config always resumes; true: also from another config's
-    save_every: int = 50
-    keep_checkpoints: int = 2
-    eval_every: int = 50
-    log_every: int = 10
+    save_every: int = ranged(50, ge=1)
+    keep_checkpoints: int = ranged(2, ge=1)
+    eval_every: int = ranged(50, ge=1)
+    log_every: int = ranged(10, ge=1)
 
 
 @dataclass
@@ -129,32 +221,35 @@ class EvalConfig:
 
     out_dir: str = "eval"
     # mtbench (first turns) | humaneval | heldout (held-out ShareGPT prompts) | a .json/.jsonl/.parquet path | hf:<id>
-    datasets: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "heldout"])
-    num_prompts: int = 8  # per dataset
-    max_new_tokens: int = 64
-    max_prompt_tokens: Optional[int] = None  # None: whatever fits the target's context with max_new_tokens
-    block_size: Optional[int] = None  # None: the trained block size; may be smaller, never larger
-    temperature: float = 0.0  # 0: greedy (outputs must equal autoregressive decoding); >0: speculative sampling
+    datasets: list[str] = ranged(nonempty=True, factory=lambda: ["mtbench", "humaneval", "heldout"])
+    num_prompts: int = ranged(8, ge=1)  # per dataset
+    max_new_tokens: int = ranged(64, ge=1)
+    max_prompt_tokens: Optional[int] = ranged(None, ge=1)  # None: whatever fits the context with max_new_tokens
+    block_size: Optional[int] = ranged(None, ge=2)  # None: the trained block size; may be smaller, never larger
+    temperature: float = ranged(0.0, ge=0.0)  # 0: greedy (outputs must equal autoregressive decoding); >0: sampling
     seed: int = 0  # sampling generators (temperature > 0)
     drafter_dir: Optional[str] = None  # an exported drafter folder; None: <run dir>/<trainer.out_dir>/export
-    methods: list[str] = field(default_factory=lambda: ["chain"])  # eval/decode.py METHODS
-    recall_k: list[int] = field(default_factory=lambda: [1, 4, 16])  # offline Recall@K
-    timing_repeats: int = 1  # A B B A passes (AR, spec, spec, AR) per prompt, after one warm-up per dataset
+    methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # eval/decode.py METHODS
+    recall_k: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [1, 4, 16])  # offline Recall@K
+    timing_repeats: int = ranged(1, ge=1)  # A B B A passes (AR, spec, spec, AR) per prompt, after one warm-up
     strict_exact: bool = True  # greedy: raise on any speculative/autoregressive mismatch (False: record it)
     # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1
     # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval
     # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).
-    num_threads: Optional[int] = 1
+    num_threads: Optional[int] = ranged(1, ge=1)
 
 
 @dataclass
 class LoggerConfig:
-    """wandb logging; offline unless an API key is configured. kind: wandb | none."""
+    """Run logging (train/logger.py): wandb or none; metrics.jsonl is always written."""
 
-    kind: str = "wandb"
+    kind: LoggerKind = LoggerKind.wandb
     project: str = "dflash"
-    mode: Optional[str] = None  # None: online with WANDB_API_KEY set, else offline
-    group: Optional[str] = None
+    entity: Optional[str] = None  # None: wandb's default entity
+    # None: wandb's own settings decide (WANDB_MODE, `wandb login`, `wandb offline`); offline when none is configured
+    mode: Optional[WandbMode] = None
+    group: Optional[str] = None  # None: the experiment name
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -169,6 +264,41 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ConfigError naming every value outside the range its schema field declares (see `ranged`)."""
+    problems = []
+
+    def walk(schema, node, prefix):
+        for f in dataclasses.fields(schema):
+            value = node.get(f.name)
+            if dataclasses.is_dataclass(f.default_factory):  # a nested section
+                walk(f.default_factory, value, f"{prefix}{f.name}.")
+                continue
+            bounds = f.metadata.get("range")
+            problem = bounds and value is not None and _out_of_range(value, bounds)
+            if problem:
+                shown = list(value) if isinstance(value, ListConfig) else value
+                problems.append(f"{prefix}{f.name}={shown} {problem}")
+
+    walk(Config, cfg, "")
+    if problems:
+        raise ConfigError("; ".join(problems) + " (fix the value on the command line or in the experiment YAML)")
+
+
+def _out_of_range(value, bounds: dict) -> str | None:
+    values = list(value) if isinstance(value, (list, ListConfig)) else [value]
+    if bounds["nonempty"] and not values:
+        return "must not be empty"
+    checks = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+              ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
+    for v in values:
+        for key, sign, ok in checks:
+            if bounds[key] is not None and not ok(v, bounds[key]):
+                wanted = " and ".join(f"{s} {bounds[k]}" for k, s, _ in checks if bounds[k] is not None)
+                return f"is out of range: must be {wanted}"
+    return None
 
 
 def _mkdir(path: str) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,6 +21,8 @@ from typing import Any, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from dflash_pipeline.data.files import atomic_path, write_json
 
 FORMAT_VERSION = 1
 
@@ -38,19 +39,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Atomically write JSON (temporary name, then rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: torch.dtype) -> dict:
-    """Write one shard of samples (dicts with id, input_ids, loss_mask, features[, topk_*]) and its record."""
+def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: torch.dtype,
+                process: str = "0 of 1") -> dict:
+    """Write one shard of samples (dicts with id, input_ids, loss_mask, features[, topk_*]) and its record; `process`
+    (rank of world size) says which process of a multi-process run wrote it."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.tensor([0] + lengths).cumsum(0)
     tensors = {
@@ -64,20 +60,20 @@ def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: to
         tensors["topk_logprobs"] = torch.cat([s["topk_logprobs"] for s in samples]).float()
     name = shard_name(index)
     path = folder / f"{name}.safetensors"
-    tmp = folder / f"{name}.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    record = {
-        "index": index,
-        "file": path.name,
-        "sha256": sha256_file(tmp),
-        "bytes": tmp.stat().st_size,
-        "ids": [s["id"] for s in samples],
-        "num_samples": len(samples),
-        "num_tokens": int(offsets[-1]),
-        "num_loss_tokens": int(tensors["loss_mask"].sum()),
-        "num_turns": [s["num_turns"] for s in samples],
-    }
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+        record = {
+            "index": index,
+            "file": path.name,
+            "sha256": sha256_file(tmp),
+            "bytes": tmp.stat().st_size,
+            "ids": [s["id"] for s in samples],
+            "num_samples": len(samples),
+            "num_tokens": int(offsets[-1]),
+            "num_loss_tokens": int(tensors["loss_mask"].sum()),
+            "num_turns": [s["num_turns"] for s in samples],
+            "process": process,
+        }
     write_json(folder / f"{name}.json", record)
     return record
 

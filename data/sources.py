@@ -209,7 +209,19 @@ def _read_table(source: str, path: str | None, name: str | None, log) -> Iterato
         kind = FILE_TYPES.get(file.suffix.lower())
         if kind is None:
             raise DataSourceError(f"{path}: unsupported file type; use one of {', '.join(FILE_TYPES)}")
-        ds = datasets.load_dataset(kind, data_files=str(file), split="train")
+        if file.stat().st_size == 0 or (kind == "json" and file.stat().st_size < 4096 and not file.read_text().strip()):
+            raise DataSourceError(f"{path} is empty: give a file with one record per line (.jsonl) or a JSON array")
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(file), split="train")
+        except Exception as e:  # datasets wraps the parser's error in several layers: name the innermost cause
+            cause = e
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            raise DataSourceError(f"{path} could not be read as {kind} ({type(cause).__name__}: "
+                                  f"{str(cause).splitlines()[0] if str(cause) else 'no detail'}); check that the "
+                                  f"file is complete and valid") from e
+        if len(ds) == 0:
+            raise DataSourceError(f"{path} holds no records: add at least one conversation or prompt")
     else:
         # Many evaluation sets ship only a test split: take "train" when there is one, else the first split.
         splits = datasets.load_dataset(path, name)

@@ -25,8 +25,10 @@ from accelerate import PartialState
 from omegaconf import DictConfig
 
 from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.conf.stages import config_hash, stage_config
-from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, read_shard_record, write_json, write_shard
+from dflash_pipeline.data.files import write_json
+from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, read_shard_record, write_shard
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.models.generation import capture, generate
 from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
@@ -176,7 +178,10 @@ def check_existing(out: Path, digest: str, config: dict) -> str:
 
 def run_teacher(cfg: DictConfig, out: Path) -> Path:
     """Build (or finish) the teacher dataset of `cfg` in folder `out`; returns `out`."""
-    state = PartialState()
+    check_config(cfg)
+    # cpu=True on a machine without CUDA, as the trainer's Accelerator: otherwise a CPU `accelerate launch` of N
+    # processes gives each process a one-process state, and every process generates every shard.
+    state = PartialState(cpu=not torch.cuda.is_available())
     digest, config = config_hash(cfg, "teacher"), stage_config(cfg, "teacher")
     status = check_existing(out, digest, config)
     if status == "done":
@@ -219,7 +224,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
         for k in todo:  # the bar moves as replies finish; features and the shard file follow each shard
             samples = regenerate(target, [convs[i] for i in shards[k]], cfg, cfg.seed, bar)
             add_features(target, samples, layer_ids, cfg)
-            write_shard(out, k, samples, feature_dtype)
+            write_shard(out, k, samples, feature_dtype, process=f"{state.process_index} of {state.num_processes}")
     state.wait_for_everyone()
 
     if state.is_main_process:

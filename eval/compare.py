@@ -17,10 +17,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_pipeline.data.files import atomic_path
+
 # Config keys that never explain a difference in results (where outputs go, how often to log, ...).
 NOISE = {"name", "cache_dir", "trainer.out_dir", "teacher.out_dir", "eval.out_dir", "trainer.data_dir",
          "eval.drafter_dir", "trainer.log_every", "trainer.save_every", "trainer.keep_checkpoints",
-         "trainer.resume", "logger.kind", "logger.mode", "logger.group", "logger.project"}
+         "trainer.resume", "logger.kind", "logger.mode", "logger.group", "logger.project", "logger.entity",
+         "logger.tags"}
 
 
 class CompareError(Exception):
@@ -248,10 +251,9 @@ def plot(runs: list[Run], path: Path) -> None:
                loc="lower center", ncol=min(2, len(runs)), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.05 + 0.1 * ((len(runs) + 1) // 2) / 2, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def compare(paths: list[str] | None = None, *, wandb_project: str | None = None, group: str | None = None,

@@ -3,19 +3,9 @@ and the wandb summary (scalars, a table, a line plot per method). Files are writ
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=2) + "\n")
+from dflash_pipeline.data.files import atomic_path
 
 
 def _f(x, digits: int = 3) -> str:
@@ -90,10 +80,9 @@ def plot_acceptance(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def loggable(results: dict) -> dict:

@@ -25,7 +25,9 @@ import torch
 from omegaconf import DictConfig
 
 from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.conf.stages import config_hash, recorded_hash
+from dflash_pipeline.data.files import write_json, write_text
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import chat_segments
@@ -186,7 +188,6 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         bar.update(0 if run == "warmup" else part)
         return out
 
-
     ar(0, "warmup"), spec(0, "warmup")
     ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
     draft_s, verify_s, prefill_s, accepted, mismatches = [], [], [], [], []
@@ -257,6 +258,7 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None,
     eval_results.json, results.md and acceptance.png in `out`. Skipped when eval_results.json exists for the same
     config; a different config's results are replaced (eval is read-only on its inputs: rerun with another
     eval.out_dir to keep both)."""
+    check_config(cfg)
     e = cfg.eval
     digest = config_hash(cfg, "eval")
     results_file = out / RESULTS
@@ -289,9 +291,9 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None,
     logger.log(report.loggable(results), step=0)
     report.log_wandb(logger, results)
     logger.finish()
-    report.write_text(out / "results.md", report.markdown(results))
+    write_text(out / "results.md", report.markdown(results))
     report.plot_acceptance(results, out / "acceptance.png")
-    report.write_json(results_file, results)  # last: its presence marks the stage complete
+    write_json(results_file, results, indent=2)  # last: its presence marks the stage complete
     log.info("evaluation written to %s", out)
     return out
 

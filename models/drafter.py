@@ -23,11 +23,13 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv,
                                                       rotate_half)
+
+from dflash_pipeline.data.files import save_safetensors, write_text
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -430,11 +432,8 @@ class DFlashDrafter(nn.Module):
         config.update(top_level)
         config.update(extra_config or {})
         weights_file, config_file = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
-        save_file(tensors, weights_file + ".tmp", metadata={"format": "pt"})
-        os.replace(weights_file + ".tmp", weights_file)
-        with open(config_file + ".tmp", "w") as f:
-            json.dump(config, f, indent=2)
-        os.replace(config_file + ".tmp", config_file)
+        save_safetensors(tensors, weights_file, metadata={"format": "pt"})
+        write_text(config_file, json.dumps(config, indent=2))
 
     @classmethod
     def from_pretrained(cls, path: str, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DFlashDrafter:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from dflash_pipeline.data.files import follow_umask
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,6 +116,7 @@ def _converted_gguf(file: Path, cache_dir: Path) -> Path:
     model.hf_quantizer = None
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    follow_umask(tmp)  # a cache other users' jobs may share
     tmp.rename(out)
     return out
 

@@ -175,6 +175,7 @@ def test_teacher_generated_by_two_processes_equals_the_one_process_dataset(tmp_p
     assert one.manifest["num_tokens"] == two.manifest["num_tokens"]
     assert [r["sha256"] for r in one.manifest["shards"]] == [r["sha256"] for r in two.manifest["shards"]]
     assert one.ids == two.ids
+    assert [r["process"] for r in two.manifest["shards"]] == ["0 of 2", "1 of 2"]  # really split over 2 processes
     for i in range(len(one)):
         a, b = one[i], two[i]
         assert set(a) == set(b)

@@ -213,7 +213,7 @@ def test_wrong_config_key_fails_at_compose():
 def test_cli_wrong_key_is_one_clear_line_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-c", "from conf.entrypoints import teacher; teacher()", "experiment=tiny",
+        [sys.executable, "-c", "from dflash_pipeline.conf.entrypoints import teacher; teacher()", "experiment=tiny",
          "teacher.max_new_tokenz=3", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

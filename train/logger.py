@@ -1,9 +1,10 @@
 """Run logging: always a metrics.jsonl in the stage folder (what dflash-compare and tests read), plus wandb unless
-logger=none. wandb runs offline unless an API key is configured, so nothing ever waits on the network."""
+logger=none. wandb's own settings choose its mode unless logger.mode is given; with no mode configured and no
+credentials it runs offline instead of stopping to ask for a key."""
 from __future__ import annotations
 
 import json
-import os
+import secrets
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -34,8 +35,24 @@ def run_name(cfg: DictConfig) -> str:
     return cfg.name
 
 
+def wandb_mode(requested: str | None) -> str | None:
+    """logger.mode when given; else None (wandb decides from WANDB_MODE, `wandb offline`, `wandb login`), except that
+    a default online mode without credentials becomes offline: wandb would otherwise prompt or fail."""
+    if requested is not None:
+        return str(requested)
+    import wandb
+
+    if wandb.setup().settings.mode != "online":
+        return None
+    return None if wandb.login(prompt=False, verify=False) else "offline"
+
+
 class RunLogger:
-    def __init__(self, cfg: DictConfig, folder: Path, job: str, enabled: bool = True):
+    """resume=True continues the wandb run whose id the stage folder holds (a resumed stage), else starts a new one."""
+
+    ID_FILE = "wandb_run_id"
+
+    def __init__(self, cfg: DictConfig, folder: Path, job: str, enabled: bool = True, resume: bool = False):
         self.enabled = enabled
         self.file = folder / "metrics.jsonl"
         self.wandb = None
@@ -47,12 +64,15 @@ class RunLogger:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("logger=wandb needs the wandb package: pip install wandb (or logger=none)") from e
-            mode = cfg.logger.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-            self.wandb = wandb.init(project=cfg.logger.project, group=cfg.logger.group or cfg.name,
-                                    name=f"{run_name(cfg)}-{job}", job_type=job, dir=str(folder), mode=mode,
-                                    config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous")
-        elif cfg.logger.kind != "none":
-            raise ValueError(f"unknown logger.kind {cfg.logger.kind!r}; use wandb or none")
+            id_file = folder / self.ID_FILE
+            run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
+            id_file.write_text(run_id)
+            lg = cfg.logger
+            self.wandb = wandb.init(project=lg.project, entity=lg.entity, group=lg.group or cfg.name,
+                                    tags=list(lg.tags) or None, name=f"{run_name(cfg)}-{job}", job_type=job,
+                                    id=run_id, resume="allow", dir=str(folder), mode=wandb_mode(lg.mode),
+                                    config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                                    reinit="finish_previous")
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

@@ -21,11 +21,12 @@ from accelerate import Accelerator, DistributedType
 from omegaconf import DictConfig
 
 from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.conf.stages import config_hash, recorded_hash
+from dflash_pipeline.data.files import follow_umask
 from dflash_pipeline.eval.metrics import conditional_acceptance
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.logger import RunLogger
-from dflash_pipeline.train.losses import LOSSES
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ def lr_lambda(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def autocast_dtype(device: torch.device) -> str:
+    """The dtype the forward runs in under the current autocast context ("float32" when autocast is off)."""
+    if not torch.is_autocast_enabled(device.type):
+        return "float32"
+    return str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
+
+
 def checkpoints(folder: Path) -> list[Path]:
     """Completed checkpoints, oldest first (a checkpoint is complete once its step.json exists)."""
     return sorted(p for p in folder.glob("step-*") if (p / "step.json").is_file())
@@ -51,14 +59,11 @@ def checkpoints(folder: Path) -> list[Path]:
 
 def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     """Train cfg.trainer.component on the teacher dataset; returns the stage folder (export/ inside)."""
+    check_config(cfg)
     t = cfg.trainer
     registry = components()
     if t.component not in registry:
         raise TrainError(f"unknown trainer.component {t.component!r}; available: {', '.join(sorted(registry))}")
-    if t.loss not in LOSSES:
-        raise TrainError(f"unknown trainer.loss {t.loss!r}; use one of {', '.join(LOSSES)}")
-    if cfg.logger.kind not in ("wandb", "none"):
-        raise TrainError(f"unknown logger.kind {cfg.logger.kind!r}; use wandb or none")
     digest, finished = config_hash(cfg, "train"), recorded_hash("train", out)
     if finished == digest and not t.resume:
         log.info("training already complete at %s (config %s): skipping", out, digest)
@@ -67,10 +72,11 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
                          "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
 
-    # step_scheduler_with_optimizer=False: our schedule counts optimizer steps, whatever the number of processes
+    # step_scheduler_with_optimizer=False: our schedule counts optimizer steps, whatever the number of processes.
+    # mixed_precision None leaves the choice to the launcher (accelerate launch's flag or config file).
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per saved file otherwise
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision,
-                              step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False,
+                              mixed_precision=None if t.mixed_precision is None else str(t.mixed_precision))
     if accelerator.distributed_type == DistributedType.FSDP:
         raise TrainError("FSDP is not supported yet: the drafter shares the target's frozen embedding and LM head "
                          "modules, and held-out evaluation and export run on one process; use DDP "
@@ -106,7 +112,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         lines = (out / "metrics.jsonl").read_text().splitlines()
         (out / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= start))
     accelerator.wait_for_everyone()
-    logger = RunLogger(cfg, out, "train", enabled=accelerator.is_main_process)
+    logger = RunLogger(cfg, out, "train", enabled=accelerator.is_main_process, resume=start > 0)
 
     per_rank = t.batch_sequences // world
     micro = per_rank // t.grad_accum
@@ -124,6 +130,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         for m, batch in enumerate(batches):
             sync = accelerator.no_sync(model) if m < len(batches) - 1 else nullcontext()
             with sync, accelerator.autocast():
+                autocast = autocast_dtype(accelerator.device)
                 loss_sum, stats = comp.loss(model, batch)
                 # DDP averages gradients over processes; scaling by world makes the result sum / global norm.
                 accelerator.backward(loss_sum * world / max(norm, 1e-9))
@@ -146,6 +153,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
             a, _ = conditional_acceptance(correct, valid)
             acc = ((correct & valid).sum(0) / valid.sum(0).clamp(min=1)).tolist()  # unconditional, per position
             metrics.update({"lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "train_a_k": a,
+                            "autocast": autocast,
                             "train_acc_k": acc,
                             "anchor_blocks_per_s": blocks_seen / elapsed, "tokens_per_s": tokens_seen / elapsed})
             clock, blocks_seen, tokens_seen = time.perf_counter(), 0, 0
@@ -175,7 +183,9 @@ def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, keep: int
     """Model, optimizer, scheduler and RNG states via accelerate; step.json written last marks it complete."""
     path = folder / f"step-{step:07d}"
     accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()  # every process's files are written before their modes are set
     if accelerator.is_main_process:
+        follow_umask(path)
         (path / "step.json").write_text(json.dumps({"step": step, "config_hash": digest}))
         for old in checkpoints(folder)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
