@@ -210,3 +210,11 @@ def test_a_resumed_training_stage_continues_its_wandb_run(tiny_teacher, tmp_path
     assert len(runs) == 2 and all(name.endswith(first) for name in runs)
     run_train(make_config("trainer.steps=2", "trainer.lr=1e-3", *common), tmp_path / "other", data_dir=tiny_teacher)
     assert (tmp_path / "other" / "wandb_run_id").read_text() != first
+
+
+def test_a_user_error_is_printed_once(tmp_path):
+    proc = subprocess.run(["dflash-eval", "experiment=tiny", "eval.datasets=[nope]", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, env=user_env(), timeout=120)
+    assert proc.returncode == 2
+    assert (proc.stdout + proc.stderr).count("unknown eval dataset 'nope'") == 1
+    assert "unknown eval dataset 'nope'" in (tmp_path / "dflash-eval.log").read_text()  # and kept in the job log
