@@ -95,12 +95,23 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
 
     shared_dir: the experiment's run directory when this is a job of a sweep (see conf.stages.stage_dirs).
     """
-    from dflash_pipeline.conf.stages import stage_dirs
+    from dflash_pipeline.conf.stages import stage_dirs, train_stage
     from dflash_pipeline.data.teacher import run_teacher
     from dflash_pipeline.eval.stage import run_eval
     from dflash_pipeline.train.loop import run_train
 
-    dirs = stage_dirs(cfg, run_dir, shared_dir)
+    # "train" trains trainer.component (dflash-train); "components" the drafter, then each of pipeline.components
+    components = [str(c) for c in cfg.pipeline.components]
+    if "train" in stages and str(cfg.trainer.component) != "drafter":
+        components.append(str(cfg.trainer.component))
+    dirs = stage_dirs(cfg, run_dir, shared_dir, tuple(dict.fromkeys(components)))
+
+    def train(name: str) -> None:
+        stage = train_stage(name)
+        run_train(cfg, dirs[stage], data_dir=dirs["teacher"], component=name,
+                  drafter_dir=None if name == "drafter" else dirs["train"] / "export")
+        outputs[stage] = dirs[stage]
+
     outputs = {}
     for stage in stages:
         if stage == "teacher" and cfg.trainer.data_dir:
@@ -111,12 +122,17 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
         elif stage == "teacher":
             run_teacher(cfg, dirs["teacher"])
         elif stage == "train":
-            run_train(cfg, dirs["train"], data_dir=dirs["teacher"])
+            train(str(cfg.trainer.component))
+        elif stage == "components":
+            for name in ["drafter", *[str(c) for c in cfg.pipeline.components]]:
+                train(name)
         elif stage == "eval":
-            run_eval(cfg, dirs["eval"], teacher_dir=dirs["teacher"], train_dir=dirs["train"])
+            run_eval(cfg, dirs["eval"], teacher_dir=dirs["teacher"], train_dir=dirs["train"],
+                     component_dirs={k.split("/", 1)[1]: v for k, v in dirs.items() if k.startswith("train/")})
         else:
             raise ValueError(f"unknown stage {stage!r}")
-        outputs[stage] = dirs[stage]
+        if stage in dirs:
+            outputs[stage] = dirs[stage]
     return outputs
 
 
@@ -174,4 +190,5 @@ def _command(name: str, stages: list[str], doc: str):
 teacher = _command("dflash-teacher", ["teacher"], "regenerate replies with the target and store its features.")
 train = _command("dflash-train", ["train"], "train a component on the teacher dataset.")
 evaluate = _command("dflash-eval", ["eval"], "acceptance offline and with real verification.")
-pipeline = _command("dflash-pipeline", ["teacher", "train", "eval"], "teacher -> train -> eval for one experiment.")
+pipeline = _command("dflash-pipeline", ["teacher", "components", "eval"],
+                    "teacher -> drafter -> pipeline.components -> eval for one experiment.")

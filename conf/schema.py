@@ -8,6 +8,7 @@ stage calls before it reads or writes anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from dflash_pipeline.train.catalogue import COMPONENTS
 
 
 class Choice(str, Enum):
@@ -62,8 +65,8 @@ class Attention(Choice):
     sdpa = "sdpa"
 
 
-class Component(Choice):
-    drafter = "drafter"
+# The trainable components of train/catalogue.py (a plain table: importing it loads no component).
+Component = Choice("Component", {name: name for name in COMPONENTS})
 
 
 class Loss(Choice):
@@ -253,6 +256,13 @@ class LoggerConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """What dflash-pipeline runs after the drafter: the components trained on it, each a stage of its own."""
+
+    components: list[Component] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     name: str = "default"
     seed: int = 0
@@ -264,6 +274,16 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+@functools.cache
+def root_config() -> type:
+    """The root schema: Config plus a section for every component that brings its own config (conf/<component>/)."""
+    from dflash_pipeline.train import catalogue
+
+    sections = [(name, cls, field(default_factory=cls)) for name, cls in catalogue.config_classes().items()]
+    return dataclasses.make_dataclass("RootConfig", sections, bases=(Config,))
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -282,7 +302,12 @@ def check_config(cfg: DictConfig) -> None:
                 shown = list(value) if isinstance(value, ListConfig) else value
                 problems.append(f"{prefix}{f.name}={shown} {problem}")
 
-    walk(Config, cfg, "")
+    walk(root_config(), cfg, "")
+    from dflash_pipeline.train import catalogue
+
+    unknown = [m for m in cfg.eval.methods if m not in catalogue.methods()]
+    if unknown:
+        problems.append(f"unknown eval.methods {unknown}; available: {', '.join(sorted(catalogue.methods()))}")
     if problems:
         raise ConfigError("; ".join(problems) + " (fix the value on the command line or in the experiment YAML)")
 
@@ -306,10 +331,16 @@ def _mkdir(path: str) -> str:
     return path
 
 
+def root_config_groups() -> list[tuple[str, type]]:
+    from dflash_pipeline.train import catalogue
+
+    return list(catalogue.config_classes().items())
+
+
 def register() -> None:
     """Register the schema: `base_config` for the root, `<group>/base` for each group's YAML files to extend."""
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    cs.store(name="base_config", node=root_config())
     # ${mkdir:path} -> path, created: for files opened before Hydra makes the sweep folder (the Optuna study).
     OmegaConf.register_new_resolver("mkdir", _mkdir, replace=True)
     for group, node in [
@@ -320,5 +351,6 @@ def register() -> None:
         ("trainer", TrainerConfig),
         ("eval", EvalConfig),
         ("logger", LoggerConfig),
+        *root_config_groups(),
     ]:
         cs.store(group=group, name="base", node=node)

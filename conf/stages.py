@@ -11,13 +11,35 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-# Sections that change a stage's output. Paths where outputs go, logging and loop cadence are not among them.
-STAGE_SECTIONS = {
-    "teacher": ["seed", "target", "data", "teacher"],
-    "train": ["seed", "target", "data", "teacher", "drafter", "trainer"],
-    "eval": ["seed", "target", "data", "teacher", "drafter", "trainer", "eval"],
-}
-IGNORED = {"out_dir", "log_every", "save_every", "resume"}
+TEACHER_SECTIONS = ("seed", "target", "data", "teacher")
+# Keys that never change a stage's output: where outputs go, logging cadence, how a run is continued or launched.
+IGNORED = {"out_dir", "log_every", "save_every", "resume", "component"}
+
+
+def component_of(stage: str) -> str:
+    """The component a training stage trains: "train" is the drafter's stage, "train/<name>" another's."""
+    return stage.split("/", 1)[1] if "/" in stage else "drafter"
+
+
+def train_stage(component: str) -> str:
+    return "train" if component == "drafter" else f"train/{component}"
+
+
+def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
+    """The config sections a stage's output depends on, by construction: its own sections plus those of every stage
+    it reads (a component declares both in its module, train/catalogue.py), so a stage is never reused for a
+    config that differs anywhere upstream."""
+    from dflash_pipeline.train import catalogue
+
+    if stage == "teacher":
+        return list(TEACHER_SECTIONS)
+    if stage == "eval":
+        used = {"drafter"} | {catalogue.methods()[m][0] for m in cfg.eval.methods}
+        parts = [stage_sections(cfg, train_stage(c)) for c in sorted(used)] + [["eval"]]
+    else:
+        mod = catalogue.module(component_of(stage))
+        parts = [stage_sections(cfg, "teacher" if i == "teacher" else "train") for i in mod.INPUTS] + [mod.SECTIONS]
+    return list(dict.fromkeys(s for part in parts for s in part))
 
 
 def stage_config(cfg: DictConfig, stage: str) -> dict:
@@ -29,7 +51,7 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
             return {k: strip(v) for k, v in node.items() if k not in IGNORED}
         return node
 
-    return {k: strip(full[k]) for k in STAGE_SECTIONS[stage]}
+    return {k: strip(full[k]) for k in stage_sections(cfg, stage)}
 
 
 def config_hash(cfg: DictConfig, stage: str) -> str:
@@ -38,7 +60,10 @@ def config_hash(cfg: DictConfig, stage: str) -> str:
 
 
 def stage_dir(cfg: DictConfig, stage: str, run_dir: str | Path) -> Path:
-    """Where a stage writes: <run_dir>/<stage>.out_dir unless out_dir is absolute."""
+    """Where a stage writes: <run_dir>/<section>.out_dir unless out_dir is absolute; a component trained on a frozen
+    drafter writes in <drafter's folder>/<component>."""
+    if stage.startswith("train/"):
+        return stage_dir(cfg, "train", run_dir) / component_of(stage)
     section = {"teacher": cfg.teacher, "train": cfg.trainer, "eval": cfg.eval}[stage]
     return Path(run_dir) / section.out_dir
 
@@ -46,29 +71,33 @@ def stage_dir(cfg: DictConfig, stage: str, run_dir: str | Path) -> Path:
 def recorded_hash(stage: str, folder: Path) -> str | None:
     """The config hash a stage's output folder was made with (the teacher: started with); None when there is none.
     The train and eval stages write their marker last, so for them a hash also says the stage is complete."""
-    marker = {"teacher": "plan.json", "train": "done.json", "eval": "eval_results.json"}[stage]
+    marker = {"teacher": "plan.json", "eval": "eval_results.json"}.get(stage, "done.json")
     try:
         return json.loads((folder / marker).read_text()).get("config_hash")
     except (OSError, ValueError):
         return None
 
 
-def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | None = None) -> dict[str, Path]:
-    """The folder of every stage for a job in `run_dir`.
+def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | None = None,
+               components: tuple[str, ...] = ()) -> dict[str, Path]:
+    """The folder of every stage for a job in `run_dir`: teacher, train (the drafter), train/<c> for each of
+    `components` trained on a frozen drafter, eval.
 
     `shared_dir` is the experiment's run directory when the job is one of a sweep: the jobs then share its teacher
-    dataset (generated there by the first job that needs it) and its trained drafter (when one is finished there),
-    as long as that output was made with the config the job asks for. Everything else stays in the job's folder,
+    dataset (generated there by the first job that needs it) and its trained drafter and components (when finished
+    there), as long as that output was made with the config the job asks for. Everything else stays in the job's folder,
     so jobs that differ in a stage's config never see each other's outputs.
     """
-    dirs = {stage: stage_dir(cfg, stage, run_dir) for stage in STAGE_SECTIONS}
+    stages = ["teacher", "train", *[train_stage(c) for c in components], "eval"]
+    dirs = {stage: stage_dir(cfg, stage, run_dir) for stage in stages}
     if shared_dir is not None:
         teacher = stage_dir(cfg, "teacher", shared_dir)
         if recorded_hash("teacher", teacher) in (None, config_hash(cfg, "teacher")):
             dirs["teacher"] = teacher
-        train = stage_dir(cfg, "train", shared_dir)
-        if recorded_hash("train", dirs["train"]) is None and recorded_hash("train", train) == config_hash(cfg, "train"):
-            dirs["train"] = train
+        for stage in stages[1:-1]:  # a trained stage finished there with this very config
+            theirs = stage_dir(cfg, stage, shared_dir)
+            if recorded_hash(stage, dirs[stage]) is None and recorded_hash(stage, theirs) == config_hash(cfg, stage):
+                dirs[stage] = theirs
     if cfg.trainer.data_dir:
         dirs["teacher"] = Path(cfg.trainer.data_dir)
     return dirs

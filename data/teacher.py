@@ -28,7 +28,7 @@ from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
-from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, read_shard_record, write_shard
+from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, write_shard
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.models.generation import capture, generate
 from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
@@ -174,6 +174,24 @@ def check_existing(out: Path, digest: str, config: dict) -> str:
                 )
             return "done" if name == "manifest.json" else "resume"
     return "new"
+
+
+def teacher_and_target(cfg: DictConfig, data_dir: Path) -> tuple[TeacherDataset, Target]:
+    """A finished teacher dataset and the configured target, checked to belong together and to leave more than
+    trainer.heldout_samples sequences for training (what every training stage starts from)."""
+    data = TeacherDataset(data_dir)
+    target = load_target(cfg.target, cfg.cache_dir)
+    tc = target.model.config
+    meta = data.manifest["target"]
+    if meta["hidden_size"] != tc.hidden_size or max(data.layer_ids) >= tc.num_hidden_layers:
+        raise DatasetError(
+            f"teacher dataset {data_dir} was made for a target with hidden size {meta['hidden_size']} and "
+            f"{meta['num_layers']} layers (taps {data.layer_ids}); the configured target has hidden size "
+            f"{tc.hidden_size} and {tc.num_hidden_layers} layers: regenerate the teacher data for this target")
+    if len(data) <= cfg.trainer.heldout_samples:
+        raise DatasetError(f"teacher dataset has {len(data)} samples, not more than "
+                           f"trainer.heldout_samples={cfg.trainer.heldout_samples}: generate more teacher data")
+    return data, target
 
 
 def run_teacher(cfg: DictConfig, out: Path) -> Path:

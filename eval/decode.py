@@ -9,8 +9,9 @@ Speculative round (docs/metrics.md, 'The speculative round'), with L = the numbe
   commit    anchor + accepted drafts become context (their features come from this verify forward); the target's
             token after the accepted prefix is the next anchor; the target KV cache is cropped to the new L.
 
-Methods are pluggable: anything with `layer_ids`, `max_block_size`, `start()` and `propose(state, ...)` in METHODS.
-Later selectors/trees add their own entries (a tree method also needs its own verify; not built here).
+Methods come from the components of train/catalogue.py (each module's METHODS). A block method is a ChainMethod
+whose `path` chooses the drafts among the drafter's top-K candidates (the chain: each position's argmax); the same
+`path` gives its teacher-forced (offline) metrics. A tree method also needs its own verify (not built here).
 
 Timings use time.perf_counter after a device synchronize, so GPU runs time real work, not kernel launches.
 """
@@ -119,16 +120,28 @@ class RoundState:
 class Proposal:
     tokens: torch.Tensor  # (B-1,) target token ids for positions L+1 .. L+B-1
     q: torch.Tensor | None = None  # (B-1, V) the distributions the tokens were sampled from (sampling only)
+    select_s: float = 0.0  # time spent choosing among the candidates (after the drafter's forward)
+    scorings: int = 0  # candidate scorings the choice took
+
+
+def candidates(drafter: DFlashDrafter, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's top-k per position: (target ids, logits), each (..., P, k), best first. hidden (..., P, H)."""
+    logits = drafter.logits(hidden).float()
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return drafter.to_target_ids(top.indices), top.values
 
 
 class ChainMethod:
-    """The DFlash block drafter: one forward drafts the whole block (docs/methods.md, 'The drafter').
+    """The DFlash block drafter: one forward drafts the whole block (docs/methods.md, 'The drafter'), and each
+    position takes its own argmax.
 
     The drafter's context K/V live in a DrafterCache across rounds; only committed tokens ever enter it, so it
-    never needs a rollback. The block itself is not cached.
+    never needs a rollback. The block itself is not cached. Subclasses choose differently by overriding `path`
+    (greedy) and `sample_path` (temperature > 0) over the top `top_k` candidates.
     """
 
     name = "chain"
+    top_k = 1
 
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
@@ -139,6 +152,23 @@ class ChainMethod:
     def start(self) -> None:
         self.cache = self.drafter.new_cache()
 
+    def path(self, cand_ids: torch.Tensor, cand_logits: torch.Tensor, hidden: torch.Tensor,
+             anchors: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The drafts (N, P) among the candidates (N, P, K) given the block hidden states (N, B, H, anchor first)
+        and anchors (N,); returns them with the number of candidate scorings per block."""
+        return cand_ids[..., 0], 0
+
+    def sample_path(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: int, temperature: float,
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled drafts (P,) target ids and the distributions q (P, V) over the target vocabulary they were drawn
+        from; logits (P, V or Vd) of the drafter. The chain samples every position independently."""
+        d = self.drafter
+        q = _probs(logits, temperature)
+        idx = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+        if d.draft_to_target is not None:  # spread the draft vocabulary's distribution over the target vocabulary
+            q = q.new_zeros(q.shape[0], d.config.vocab_size).index_copy_(1, d.draft_to_target, q)
+        return d.to_target_ids(idx), q
+
     @torch.no_grad()
     def propose(self, state: RoundState, block_size: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None) -> Proposal:
@@ -148,24 +178,16 @@ class ChainMethod:
         block[0, 0] = state.anchor
         positions = torch.arange(state.anchor_pos, state.anchor_pos + block_size, device=device)
         hidden = d.forward_step(state.new_features, state.new_positions, block, positions, self.cache)  # (1, B, H)
-        logits = d.logits(hidden[0, 1:]).float()  # (B-1, V or Vd)
+        _sync(device)
+        t0 = time.perf_counter()
         if temperature <= 0:
-            return Proposal(d.to_target_ids(logits.argmax(-1)))
-        q = _probs(logits, temperature)
-        idx = torch.multinomial(q, 1, generator=generator).squeeze(-1)  # drafts drawn independently per position
-        if d.draft_to_target is not None:  # spread the draft vocabulary's distribution over the target vocabulary
-            full = q.new_zeros(q.shape[0], d.config.vocab_size)
-            q = full.index_copy_(1, d.draft_to_target, q)
-        return Proposal(d.to_target_ids(idx), q)
-
-
-METHODS = {"chain": ChainMethod}
-
-
-def make_method(name: str, drafter: DFlashDrafter):
-    if name not in METHODS:
-        raise ValueError(f"unknown eval method {name!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[name](drafter)
+            ids, logits = candidates(d, hidden[:, 1:], self.top_k)
+            tokens, scorings = self.path(ids, logits, hidden, torch.tensor([state.anchor], device=device))
+            _sync(device)
+            return Proposal(tokens[0], select_s=time.perf_counter() - t0, scorings=scorings)
+        tokens, q = self.sample_path(d.logits(hidden[0, 1:]).float(), hidden, state.anchor, temperature, generator)
+        _sync(device)
+        return Proposal(tokens, q, select_s=time.perf_counter() - t0)
 
 
 # -- speculative decoding ----------------------------------------------------------------------------------------
@@ -173,7 +195,9 @@ def make_method(name: str, drafter: DFlashDrafter):
 class SpecResult:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify round, 0 .. B-1 (before truncation)
-    draft_s: list[float] = field(default_factory=list)  # per round: propose
+    draft_s: list[float] = field(default_factory=list)  # per round: propose (drafter forward + selection)
+    select_s: list[float] = field(default_factory=list)  # per round: the selection part of propose
+    scorings: list[int] = field(default_factory=list)  # per round: candidate scorings of the selection
     verify_s: list[float] = field(default_factory=list)  # per round: target forward, acceptance, cache crop
     prefill_s: float = 0.0
     total_s: float = 0.0
@@ -258,6 +282,8 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         t2 = time.perf_counter()
         res.accepted.append(n)
         res.draft_s.append(t1 - t0)
+        res.select_s.append(prop.select_s)
+        res.scorings.append(prop.scorings)
         res.verify_s.append(t2 - t1)
         new = drafts[:n].tolist() + [next_anchor]
         for i, tok in enumerate(new):

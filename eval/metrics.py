@@ -79,19 +79,34 @@ def accepted_length_stats(accepted: list[int], block_size: int) -> dict:
             "accepted_hist": hist}
 
 
+def oracle_acceptance(top: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, ks: list[int]) -> dict[int, list[float]]:
+    """a_k of an oracle that picks the right token whenever it is among the drafter's top-K: P(label in top-K at k |
+    labels in top-K at every earlier position). Its simulated tau is the ceiling of any choice among the top-K."""
+    out = {}
+    for k in ks:
+        hit = (top[..., :k] == labels[..., None]).any(-1)  # (N, P)
+        out[k], _ = conditional_acceptance(hit, valid)
+    return out
+
+
 @torch.no_grad()
 def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, ks: list[int],
-                    chunk: int = 64, progress: Progress | None = None) -> dict:
-    """Teacher-forced a_k, Recall@K and tau_offline over every anchor of `items` (input_ids, loss_mask, features).
+                    chunk: int = 64, progress: Progress | None = None, methods: dict | None = None) -> dict:
+    """Teacher-forced a_k, Recall@K, oracle tau@K and tau_offline over every anchor of `items` (input_ids,
+    loss_mask, features): the drafter's own argmax path, and under "methods" the path each eval method would propose
+    from the same drafter outputs (`methods`: {name: method with top_k and path(), eval/decode.py}).
 
     Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
     progress: counts one per item.
     """
+    methods = methods or {}
     device = drafter.norm.weight.device
     to_column = drafter.target_to_column()
     columns = drafter.config.vocab_size if drafter.draft_to_target is None else len(drafter.draft_to_target)
-    kmax = min(max(ks), columns)
+    kmax = min(max([*ks, *(m.top_k for m in methods.values())]), columns)
     tops, labels, valids = [], [], []
+    paths: dict[str, list[torch.Tensor]] = {name: [] for name in methods}
+    scorings: dict[str, int] = {name: 0 for name in methods}
     for it in items:
         b = pack_blocks([it], block_size=block_size, mask_token_id=drafter.config.mask_token_id,
                         anchors_per_sequence=None)
@@ -99,14 +114,31 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
         hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
                                         b["anchor_valid"])  # (1, Nb, B, H)
         keep = b["anchor_valid"]
-        h = hidden[keep][:, 1:]  # (N, B-1, H)
-        tops += [drafter.logits(part).topk(kmax, dim=-1).indices for part in h.split(chunk)]  # (n, B-1, kmax)
-        labels.append(to_column[b["labels"][keep]])
+        h = hidden[keep]  # (N, B, H)
+        for part, ids in zip(h.split(chunk), b["block_ids"][keep][:, 0].split(chunk)):
+            logits = drafter.logits(part[:, 1:]).float()  # (n, B-1, V or Vd)
+            top = logits.topk(kmax, dim=-1)
+            tops.append(top.indices)
+            for name, m in methods.items():
+                chosen, work = m.path(drafter.to_target_ids(top.indices[..., :m.top_k]), top.values[..., :m.top_k],
+                                      part, ids)
+                paths[name].append(chosen)
+                scorings[name] += work * len(ids)
+        labels.append(b["labels"][keep])
         valids.append(b["label_valid"][keep])
         if progress is not None:
             progress.update()
-    top, label, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
+    top, target_labels, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
+    label = to_column[target_labels]
     a, counts = conditional_acceptance(top[..., 0] == label, valid)
     rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
+    oracle = oracle_acceptance(top, label, valid, [k for k in ks if k <= kmax])
+    per_method = {}
+    for name, chunks in paths.items():
+        m_a, _ = conditional_acceptance(torch.cat(chunks) == target_labels, valid)
+        per_method[name] = {"a_k": m_a, "tau_offline": simulated_tau(m_a),
+                            "scorings_per_block": scorings[name] / max(1, top.shape[0])}
     return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
-            "recall": {str(k): v for k, v in rec.items()}, "blocks": int(top.shape[0]), "sequences": len(items)}
+            "recall": {str(k): v for k, v in rec.items()},
+            "oracle_tau": {str(k): simulated_tau(v) for k, v in oracle.items()},
+            "methods": per_method, "blocks": int(top.shape[0]), "sequences": len(items)}

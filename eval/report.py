@@ -21,17 +21,19 @@ def markdown(results: dict) -> str:
         f"Drafter: `{results['drafter_dir']}`; up to {results['max_new_tokens']} new tokens per prompt; timing on "
         f"{results['timing']['device']} ({results['timing']['num_threads']} threads): {results['timing']['protocol']}.",
         "",
-        "| method | dataset | prompts | tokens | tau offline | tau online | a_1 off / on | fwd/token | "
-        "draft ms/round | verify ms/round | AR tok/s | spec tok/s | speedup | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | dataset | prompts | tokens | tau offline | tau online | oracle tau | a_1 off / on | fwd/token | "
+        "draft ms/round | select ms/round (share) | scorings/round | verify ms/round | AR tok/s | spec tok/s | "
+        "speedup | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, per in results["methods"].items():
         for ds, r in per.items():
             lines.append(
                 f"| {m} | {ds} | {r['prompts']} | {r['output_tokens']} | {_f(r['tau_offline'])} | "
-                f"{_f(r['tau_online'])} | {_f(r['a_k_offline'][0])} / {_f(r['a_k_online'][0])} | "
-                f"{_f(r['target_forwards_per_token'])} | {_f(r['draft_ms_per_round'], 2)} | "
-                f"{_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
+                f"{_f(r['tau_online'])} | {_f(r.get('oracle_tau'))} | {_f(r['a_k_offline'][0])} / "
+                f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | {_f(r['draft_ms_per_round'], 2)} | "
+                f"{_f(r['select_ms_per_round'], 2)} ({100 * r['select_fraction']:.1f}%) | "
+                f"{_f(r['scorings_per_round'], 0)} | {_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
                 f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x | {r['exact']} |")
     held = results["offline"].get("teacher_heldout")
     lines += ["", "## Offline (teacher-forced) on the held-out teacher sequences", ""]
@@ -114,7 +116,8 @@ def log_wandb(logger, results: dict) -> None:
         return
     import wandb
 
-    columns = ["method", "dataset", "prompts", "output_tokens", "tau_offline", "tau_online", "speedup",
+    columns = ["method", "dataset", "prompts", "output_tokens", "tau_offline", "tau_online", "oracle_tau", "speedup",
+               "select_ms_per_round", "scorings_per_round",
                "tokens_per_s_ar", "tokens_per_s_spec", "target_forwards_per_token", "exact"]
     table = wandb.Table(columns=columns)
     for m, per in results["methods"].items():

@@ -32,12 +32,13 @@ from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import chat_segments
 from dflash_pipeline.eval import report
-from dflash_pipeline.eval.decode import METHODS, autoregressive, make_method, speculative
+from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target, load_target
-from dflash_pipeline.train.drafter import split_heldout, step_seed
+from dflash_pipeline.data.splits import split_heldout, step_seed
+from dflash_pipeline.train import catalogue
 from dflash_pipeline.train.logger import RunLogger
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
 
     ar(0, "warmup"), spec(0, "warmup")
     ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
-    draft_s, verify_s, prefill_s, accepted, mismatches = [], [], [], [], []
+    draft_s, verify_s, select_s, scorings, prefill_s, accepted, mismatches = [], [], [], [], [], [], []
     ar_outputs, out_tokens, forwards = [], 0, 0
     for i, p in enumerate(prompts):
         for r in range(repeats):
@@ -205,6 +206,8 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
                 spec_decode.append((s.total_s - s.prefill_s) / max(1, len(s.tokens) - 1))
                 draft_s += s.draft_s
                 verify_s += s.verify_s
+                select_s += s.select_s
+                scorings += s.scorings
                 prefill_s.append(s.prefill_s)
             if r == 0:
                 ar_outputs.append(a1)
@@ -233,6 +236,9 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "verify_ms_per_round": 1e3 * _median(verify_s),
         "prefill_ms": 1e3 * _median(prefill_s),
         "draft_fraction": total_draft / (total_draft + total_verify) if draft_s else 0.0,
+        "select_ms_per_round": 1e3 * _median(select_s),  # choosing among the candidates, part of draft ms
+        "select_fraction": sum(select_s) / (total_draft + total_verify) if draft_s else 0.0,
+        "scorings_per_round": sum(scorings) / len(scorings) if scorings else 0.0,
         "ms_per_token_ar": ms_ar,
         "ms_per_token_spec": ms_spec,
         "tokens_per_s_ar": 1e3 / ms_ar if ms_ar else 0.0,
@@ -251,11 +257,12 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
 
 
 # -- the stage ---------------------------------------------------------------------------------------------------
-def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None,
-             train_dir: Path | None = None) -> Path:
+def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_dir: Path | None = None,
+             component_dirs: dict[str, Path] | None = None) -> Path:
     """Evaluate the exported drafter of `train_dir` (default: this run's train stage; eval.drafter_dir overrides);
     offline metrics on the held-out part of `teacher_dir` (default: this run's teacher stage). Writes
-    eval_results.json, results.md and acceptance.png in `out`. Skipped when eval_results.json exists for the same
+    eval_results.json, results.md and acceptance.png in `out`. component_dirs: the stage folder of each component
+    whose methods are evaluated (default: <train_dir>/<component>). Skipped when eval_results.json exists for the same
     config; a different config's results are replaced (eval is read-only on its inputs: rerun with another
     eval.out_dir to keep both)."""
     check_config(cfg)
@@ -268,9 +275,6 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None,
         return out
     if old is not None:
         log.warning("%s holds results of config %s; replacing them with config %s", results_file, old, digest)
-    unknown = [m for m in e.methods if m not in METHODS]
-    if unknown:
-        raise EvalError(f"unknown eval.methods {unknown}; available: {', '.join(sorted(METHODS))}")
     labels = [dataset_source(name)[0] for name in e.datasets]  # fails early on a bad name
     if len(set(labels)) != len(labels):
         raise EvalError(f"eval.datasets {list(e.datasets)} give duplicate names {labels}")
@@ -281,7 +285,7 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None,
     try:
         teacher_dir = Path(cfg.trainer.data_dir or teacher_dir or out.parent / cfg.teacher.out_dir)
         train_dir = Path(train_dir or out.parent / cfg.trainer.out_dir)
-        results = _evaluate(cfg, teacher_dir, train_dir, digest, labels)
+        results = _evaluate(cfg, teacher_dir, train_dir, digest, labels, component_dirs or {})
     finally:
         torch.set_num_threads(threads)
 
@@ -298,7 +302,23 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None,
     return out
 
 
-def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, labels: list[str]) -> dict:
+def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, component_dirs: dict[str, Path]) -> dict:
+    """{name: method} for eval.methods, each on the drafter with its component's trained export."""
+    methods = {}
+    for name in cfg.eval.methods:
+        component = catalogue.methods()[name][0]
+        export = None
+        if component != "drafter":
+            export = Path(component_dirs.get(component, train_dir / component)) / "export"
+            if not (export / "config.json").is_file():
+                raise EvalError(f"eval method {name} needs the trained {component} at {export}: run dflash-train "
+                                f"trainer.component={component} (or add it to pipeline.components)")
+        methods[name] = catalogue.make_method(name, drafter, export)
+    return methods
+
+
+def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, labels: list[str],
+              component_dirs: dict[str, Path]) -> dict:
     e = cfg.eval
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(cfg.target, cfg.cache_dir)
@@ -309,6 +329,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     if not 2 <= B <= trained_B:
         raise EvalError(f"eval.block_size={B} must be in 2 .. {trained_B} (the trained block size)")
     layer_ids = list(drafter.config.target_layer_ids)
+    methods = load_methods(cfg, drafter, train_dir, component_dirs)
     room = target.model.config.max_position_embeddings - e.max_new_tokens - B
     ks = sorted(set(e.recall_k))
 
@@ -331,7 +352,8 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     results["offline"]["teacher_heldout"] = None
     if items:
         with Progress("eval teacher_heldout offline", len(items), "sequence") as bar:
-            results["offline"]["teacher_heldout"] = offline_metrics(drafter, items, B, ks, progress=bar)
+            results["offline"]["teacher_heldout"] = offline_metrics(drafter, items, B, ks, progress=bar,
+                                                                    methods=methods)
         log.info("offline on %s: a_k %s tau_offline %.3f", note,
                  [round(x, 3) for x in results["offline"]["teacher_heldout"]["a_k"]],
                  results["offline"]["teacher_heldout"]["tau_offline"])
@@ -344,8 +366,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         if not prompts:
             raise EvalError(f"eval dataset {name!r} gave no prompt that fits the target's context")
         offline = None
-        for m in e.methods:
-            method = make_method(m, drafter)
+        for m, method in methods.items():
             online = run_online(target, method, prompts, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
                                 temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats,
                                 strict=e.strict_exact)
@@ -353,14 +374,17 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             if offline is None:  # the drafter's teacher-forced metrics on these prompts' target replies
                 seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, ar_outputs)]
                 with Progress(f"eval {label} offline", len(seqs), "sequence") as bar:
-                    offline = offline_metrics(drafter, reply_items(target, layer_ids, seqs), B, ks, progress=bar)
+                    offline = offline_metrics(drafter, reply_items(target, layer_ids, seqs), B, ks, progress=bar,
+                                              methods=methods)
                 results["offline"][label] = offline
+            own = offline["methods"][m]  # the path this method proposes, teacher-forced on the same replies
             results["methods"][m][label] = {
                 **online,
-                "a_k_offline": offline["a_k"],
+                "a_k_offline": own["a_k"],
                 "recall": offline["recall"],
-                "tau_offline": offline["tau_offline"],
-                "tau_gap": offline["tau_offline"] - online["tau_online"],
+                "tau_offline": own["tau_offline"],
+                "tau_gap": own["tau_offline"] - online["tau_online"],
+                "oracle_tau": offline["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
                 "prompt_ids": [p["id"] for p in prompts],
             }
     return results

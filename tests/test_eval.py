@@ -10,8 +10,9 @@ import torch
 from scipy.stats import chi2
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from dflash_pipeline.eval import decode
+from dflash_pipeline.conf.schema import ConfigError
 from dflash_pipeline.conf.stages import config_hash
+from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, conditional_acceptance, offline_metrics, recall_at_k, simulated_tau
 from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
@@ -174,7 +175,7 @@ def test_mismatch_is_detected_loudly(target, prompt_ids, random_drafter, monkeyp
 
     monkeypatch.setattr(decode, "target_forward", corrupt)
     batch = [{"id": "p0", "prompt_ids": prompt_ids[0]}]
-    method = decode.make_method("chain", random_drafter)
+    method = decode.ChainMethod(random_drafter)
     with pytest.raises(ExactnessError, match=r"prompt p0: speculative decoding differs .* output position \d+"):
         run_online(target, method, batch, label="t", block_size=4, max_new_tokens=12)
     res = run_online(target, method, batch, label="t", block_size=4, max_new_tokens=12, strict=False)
@@ -193,7 +194,7 @@ def test_first_mismatch_and_check_exact():
 
 def test_run_online_sampling(target, prompt_ids, random_drafter):
     batch = [{"id": f"p{i}", "prompt_ids": ids} for i, ids in enumerate(prompt_ids[:2])]
-    method = decode.make_method("chain", random_drafter)
+    method = decode.ChainMethod(random_drafter)
     res = run_online(target, method, batch, label="s", block_size=3, max_new_tokens=8, temperature=0.8, seed=1)
     assert res["exact"] is None and res["mismatches"] == []
     assert len(res["a_k_online"]) == 2 and sum(res["accepted_hist"]) == res["rounds"] > 0
@@ -344,7 +345,7 @@ def test_eval_results_schema(tiny_eval):
 def test_eval_bad_input_fails_early(tmp_path):
     with pytest.raises(EvalError, match="unknown eval dataset 'nope'"):
         run_eval(make_config("eval.datasets=[nope]"), tmp_path / "eval")
-    with pytest.raises(EvalError, match="unknown eval.methods"):
+    with pytest.raises(ConfigError, match=r"unknown eval.methods \['tree'\]; available: chain"):
         run_eval(make_config("eval.methods=[tree]"), tmp_path / "eval")
     with pytest.raises(EvalError, match="no exported drafter"):
         run_eval(make_config(), tmp_path / "eval")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
 from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.drafter import DrafterComponent
 from dflash_pipeline.train.loop import run_train
 from dflash_pipeline.train.losses import block_loss, dpace_weights, normaliser
@@ -60,7 +61,7 @@ def test_decay_loss_is_a_weighted_mean():
 @pytest.fixture(scope="module")
 def component(tiny_teacher):
     torch.manual_seed(0)
-    return DrafterComponent(make_config(), tiny_teacher, torch.device("cpu"))
+    return DrafterComponent(make_config(), StageInputs(tiny_teacher), torch.device("cpu"))
 
 
 def _train_on(comp, batch, steps, lr=3e-3, **shape):

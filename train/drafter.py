@@ -15,20 +15,19 @@ import torch
 from omegaconf import DictConfig
 
 from dflash_pipeline.data.blocks import pack_blocks
-from dflash_pipeline.data.shards import DatasetError, TeacherDataset
-from dflash_pipeline.eval.metrics import offline_metrics
+from dflash_pipeline.data.shards import DatasetError
+from dflash_pipeline.data.splits import split_heldout, step_seed
+from dflash_pipeline.data.teacher import teacher_and_target
+from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
-from dflash_pipeline.models.target import Target, load_target
+from dflash_pipeline.models.target import Target
+from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import block_loss, default_gamma, effective_valid, normaliser
 
 log = logging.getLogger(__name__)
-
-
-def step_seed(*parts) -> int:
-    """A seed derived from (seed, step, ...): the batch of a step never depends on how the run was interrupted."""
-    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
 
 
 def choose_mask_token(tokenizer, vocab_size: int) -> int:
@@ -106,36 +105,17 @@ def init_from_target(drafter: DFlashDrafter, target_model) -> None:
         drafter.norm.weight.copy_(target_model.model.norm.weight)
 
 
-def split_heldout(ids: list[str], num_heldout: int) -> tuple[list[int], list[int]]:
-    """Deterministic train / held-out indices by id hash: the same samples are held out on every run."""
-    order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())
-    held = sorted(order[:num_heldout])
-    held_set = set(held)
-    return [i for i in range(len(ids)) if i not in held_set], held
-
-
 class DrafterComponent:
     """Model, batches, loss, held-out metrics and export of the DFlash block drafter."""
 
     name = "drafter"
 
-    def __init__(self, cfg: DictConfig, data_dir: Path, device: torch.device):
+    def __init__(self, cfg: DictConfig, inputs: StageInputs, device: torch.device):
         self.cfg, t = cfg, cfg.trainer
-        self.data = TeacherDataset(data_dir)
-        self.target = load_target(cfg.target, cfg.cache_dir)
-        tc = self.target.model.config
-        meta = self.data.manifest["target"]
-        if meta["hidden_size"] != tc.hidden_size or max(self.data.layer_ids) >= tc.num_hidden_layers:
-            raise DatasetError(
-                f"teacher dataset {data_dir} was made for a target with hidden size {meta['hidden_size']} and "
-                f"{meta['num_layers']} layers (taps {self.data.layer_ids}); the configured target has hidden size "
-                f"{tc.hidden_size} and {tc.num_hidden_layers} layers: regenerate the teacher data for this target")
+        self.data, self.target = teacher_and_target(cfg, inputs.teacher)
         if t.loss == "kl" and not self.data.manifest.get("topk_logprobs"):
             raise DatasetError("trainer.loss=kl needs teacher top-k log-probs: rerun the teacher with "
                                "teacher.topk_logprobs=20 (or another k > 0)")
-        if len(self.data) <= t.heldout_samples:
-            raise DatasetError(f"teacher dataset has {len(self.data)} samples, not more than "
-                               f"trainer.heldout_samples={t.heldout_samples}: generate more teacher data")
         self.train_idx, self.heldout_idx = split_heldout(self.data.ids, t.heldout_samples)
         self.dconf = drafter_config(cfg, self.target, self.data.layer_ids)
         self.block_size = self.dconf.block_size
@@ -238,6 +218,16 @@ class DrafterComponent:
             correct = (logits.argmax(-1) == labels) & (labels >= 0)
         return loss_sum, {"correct": correct, "valid": valid}
 
+    def work(self, batch: dict) -> dict[str, int]:
+        return {"anchor_blocks": int(batch["anchor_valid"].sum()), "tokens": int(batch["context_valid"].sum())}
+
+    def train_metrics(self, stats: list[dict]) -> dict:
+        """Conditional acceptance (train_a_k) and unconditional top-1 accuracy per position on the step's anchors."""
+        correct, valid = torch.cat([s["correct"] for s in stats]), torch.cat([s["valid"] for s in stats])
+        a, _ = conditional_acceptance(correct, valid)
+        acc = ((correct & valid).sum(0) / valid.sum(0).clamp(min=1)).tolist()
+        return {"train_a_k": a, "train_acc_k": acc}
+
     # -- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, model, indices: list[int] | None = None) -> dict:
         """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K, tau_offline."""
@@ -262,3 +252,12 @@ class DrafterComponent:
             "loss": self.cfg.trainer.loss,
         }})
         return folder
+
+
+# The catalogue entry (train/catalogue.py): configured by the drafter and trainer sections, trained on the teacher
+# data, drafting with the chain method.
+CONFIG = None
+SECTIONS = ("drafter", "trainer")
+INPUTS = ("teacher",)
+COMPONENT = DrafterComponent
+METHODS = {"chain": lambda drafter, export_dir: ChainMethod(drafter)}

@@ -1,6 +1,6 @@
-"""The one training loop. A component (train/drafter.py, later the selector, jump heads and Weaver) brings its
-model, its batches and its loss; the loop owns accelerate, the optimizer and schedule, checkpoints, resume,
-logging and export.
+"""The one training loop. A component of train/catalogue.py brings its model, its batches, its loss and its metrics
+(the `train.component.TrainingComponent` protocol); the loop owns accelerate, the optimizer and schedule,
+checkpoints, resume, logging, progress and the export call, and reads nothing of a component's batches or metrics.
 
 Determinism: the sequences and anchors of step s are a function of (seed, s) and of nothing else, and each
 process takes its slice of the same global batch; the loss is normalised by the global normaliser. So a resumed
@@ -22,19 +22,14 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.conf.stages import config_hash, recorded_hash
+from dflash_pipeline.conf.stages import config_hash, recorded_hash, train_stage
 from dflash_pipeline.data.files import follow_umask
-from dflash_pipeline.eval.metrics import conditional_acceptance
+from dflash_pipeline.train import catalogue
+from dflash_pipeline.train.component import StageInputs, TrainingComponent
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.logger import RunLogger
 
 log = logging.getLogger(__name__)
-
-
-def components() -> dict:
-    from dflash_pipeline.train.drafter import DrafterComponent
-
-    return {"drafter": DrafterComponent}
 
 
 def lr_lambda(step: int, warmup: int, total: int) -> float:
@@ -52,21 +47,56 @@ def autocast_dtype(device: torch.device) -> str:
     return str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
 
 
+def loop_settings_of(cfg: DictConfig, name: str) -> DictConfig:
+    """The loop settings of a component: trainer.*, overridden by its own section's values of the same name."""
+    from dflash_pipeline.train.component import loop_settings
+
+    return loop_settings(cfg, cfg.get(name) if catalogue.module(name).CONFIG is not None else None)
+
+
+def _run_dir(out: Path, name: str) -> Path:
+    """The run directory of a training stage folder: train/ for the drafter, train/<component>/ for others."""
+    return out.parent if name == "drafter" else out.parent.parent
+
+
+def brief(metrics: dict) -> str:
+    """A log line's worth of metrics: scalars, and the first three entries of per-position lists."""
+    parts = []
+    for k, v in metrics.items():
+        if isinstance(v, float):
+            parts.append(f"{k} {v:.3g}")
+        elif isinstance(v, list) and v and isinstance(v[0], float):
+            parts.append(f"{k} {[round(x, 3) for x in v[:3]]}")
+    return ", ".join(parts)
+
+
 def checkpoints(folder: Path) -> list[Path]:
     """Completed checkpoints, oldest first (a checkpoint is complete once its step.json exists)."""
     return sorted(p for p in folder.glob("step-*") if (p / "step.json").is_file())
 
 
-def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
-    """Train cfg.trainer.component on the teacher dataset; returns the stage folder (export/ inside)."""
+def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, component: str | None = None,
+              drafter_dir: Path | None = None) -> Path:
+    """Train `component` (default: trainer.component) in stage folder `out`; returns `out` (export/ inside).
+
+    data_dir: the teacher dataset (default: trainer.data_dir, else the run's teacher stage). drafter_dir: the
+    drafter export a component trained on a frozen drafter reads (default: <component>.drafter_dir, else the run's
+    drafter stage, which holds `out`)."""
     check_config(cfg)
-    t = cfg.trainer
-    registry = components()
-    if t.component not in registry:
-        raise TrainError(f"unknown trainer.component {t.component!r}; available: {', '.join(sorted(registry))}")
-    digest, finished = config_hash(cfg, "train"), recorded_hash("train", out)
+    name = str(component or cfg.trainer.component)
+    mod = catalogue.module(name)
+    own = cfg.get(name) if mod.CONFIG is not None else None
+    inputs = StageInputs(teacher=Path(data_dir or cfg.trainer.data_dir or _run_dir(out, name) / cfg.teacher.out_dir))
+    if "drafter" in mod.INPUTS:
+        inputs.drafter = Path(drafter_dir or own.get("drafter_dir") or out.parent / "export")
+        if not (inputs.drafter / "config.json").is_file():
+            raise TrainError(f"{name} trains on a frozen drafter, and there is no exported drafter at "
+                             f"{inputs.drafter}: run dflash-train (the drafter) first or set {name}.drafter_dir")
+    stage = train_stage(name)
+    digest, finished = config_hash(cfg, stage), recorded_hash(stage, out)
+    t = loop_settings_of(cfg, name)
     if finished == digest and not t.resume:
-        log.info("training already complete at %s (config %s): skipping", out, digest)
+        log.info("%s: training already complete at %s (config %s): skipping", name, out, digest)
         return out
     if finished is not None and finished != digest and not t.resume:
         raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
@@ -82,14 +112,15 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
                          "modules, and held-out evaluation and export run on one process; use DDP "
                          "(scripts/accelerate/ddp_bf16.yaml)")
     world, rank = accelerator.num_processes, accelerator.process_index
-    log.info("train: %d process(es) (%s), device %s, mixed precision %s", world, accelerator.distributed_type.value,
-             accelerator.device, accelerator.mixed_precision)
+    label = "train" if name == "drafter" else f"train {name}"  # what the bar and log lines are called
+    prefix = "" if name == "drafter" else f"{name} "
+    log.info("%s: %d process(es) (%s), device %s, mixed precision %s", label, world,
+             accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)
     if t.batch_sequences % (world * t.grad_accum):
-        raise TrainError(f"trainer.batch_sequences={t.batch_sequences} must be divisible by processes x grad_accum "
+        raise TrainError(f"batch_sequences={t.batch_sequences} must be divisible by processes x grad_accum "
                          f"= {world} x {t.grad_accum}")
     torch.manual_seed(cfg.seed)
-    comp = registry[t.component](cfg, Path(data_dir or t.data_dir or out.parent / cfg.teacher.out_dir),
-                                 accelerator.device)
+    comp: TrainingComponent = mod.COMPONENT(cfg, inputs, accelerator.device)
     params = [p for p in comp.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
@@ -112,13 +143,14 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         lines = (out / "metrics.jsonl").read_text().splitlines()
         (out / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= start))
     accelerator.wait_for_everyone()
-    logger = RunLogger(cfg, out, "train", enabled=accelerator.is_main_process, resume=start > 0)
+    logger = RunLogger(cfg, out, "train" if name == "drafter" else f"train-{name}", enabled=accelerator.is_main_process,
+                       resume=start > 0)
 
     per_rank = t.batch_sequences // world
     micro = per_rank // t.grad_accum
     model.train()
-    clock, blocks_seen, tokens_seen = time.perf_counter(), 0, 0
-    bar = Progress("train", t.steps, "step", initial=start, enabled=accelerator.is_main_process)
+    clock, seen = time.perf_counter(), {}
+    bar = Progress(label, t.steps, "step", initial=start, enabled=accelerator.is_main_process)
     for step in range(start, t.steps):
         items = comp.step_items(step)
         mine = items[rank * per_rank: (rank + 1) * per_rank]
@@ -126,7 +158,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
                    for m in range(t.grad_accum)]
         norm = accelerator.reduce(torch.tensor(sum(comp.normaliser(b) for b in batches),
                                                device=accelerator.device), "sum").item()
-        loss_total, corrects, valids = 0.0, [], []
+        loss_total, step_stats = 0.0, []
         for m, batch in enumerate(batches):
             sync = accelerator.no_sync(model) if m < len(batches) - 1 else nullcontext()
             with sync, accelerator.autocast():
@@ -135,10 +167,9 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
                 # DDP averages gradients over processes; scaling by world makes the result sum / global norm.
                 accelerator.backward(loss_sum * world / max(norm, 1e-9))
             loss_total += loss_sum.item()
-            corrects.append(stats["correct"])
-            valids.append(stats["valid"])
-            blocks_seen += int(batch["anchor_valid"].sum()) * world
-            tokens_seen += int(batch["context_valid"].sum()) * world
+            step_stats.append(stats)
+            for unit, n in comp.work(batch).items():
+                seen[unit] = seen.get(unit, 0) + n * world
         grad_norm = accelerator.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0 else torch.tensor(0.0)
         optimizer.step()
         scheduler.step()
@@ -149,21 +180,17 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
         metrics = {"loss": loss}
         if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
             elapsed = time.perf_counter() - clock
-            correct, valid = torch.cat(corrects), torch.cat(valids)
-            a, _ = conditional_acceptance(correct, valid)
-            acc = ((correct & valid).sum(0) / valid.sum(0).clamp(min=1)).tolist()  # unconditional, per position
-            metrics.update({"lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "train_a_k": a,
-                            "autocast": autocast,
-                            "train_acc_k": acc,
-                            "anchor_blocks_per_s": blocks_seen / elapsed, "tokens_per_s": tokens_seen / elapsed})
-            clock, blocks_seen, tokens_seen = time.perf_counter(), 0, 0
-            log.info("step %d/%d loss %.4f a_1 %.3f lr %.2e grad %.2f %.1f blocks/s, ETA %s", step + 1, t.steps, loss,
-                     a[0], metrics["lr"], metrics["grad_norm"], metrics["anchor_blocks_per_s"], bar.eta_text())
+            own_metrics = comp.train_metrics(step_stats)
+            rates = {f"{unit}_per_s": n / elapsed for unit, n in seen.items()}
+            metrics.update({"lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "autocast": autocast,
+                            **own_metrics, **rates})
+            clock, seen = time.perf_counter(), {}
+            log.info("%sstep %d/%d loss %.4f lr %.2e grad %.2f %s, ETA %s", prefix, step + 1, t.steps, loss,
+                     metrics["lr"], metrics["grad_norm"], brief({**own_metrics, **rates}), bar.eta_text())
         if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
             if accelerator.is_main_process:
                 metrics["heldout"] = comp.evaluate(model)
-                h = metrics["heldout"]
-                log.info("held-out a_k %s tau_offline %.3f", [round(x, 3) for x in h["a_k"]], h["tau_offline"])
+                log.info("%sheld-out %s", prefix, brief(metrics["heldout"]))
             clock = time.perf_counter()
         logger.log(metrics, step + 1)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
@@ -173,7 +200,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None) -> Path:
     if accelerator.is_main_process:
         comp.export(accelerator.unwrap_model(model), out / "export")
         (out / "done.json").write_text(json.dumps({"config_hash": digest, "steps": t.steps}))
-        log.info("exported the trained %s to %s", t.component, out / "export")
+        log.info("exported the trained %s to %s", name, out / "export")
     accelerator.wait_for_everyone()
     logger.finish()
     return out

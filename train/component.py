@@ -1,0 +1,63 @@
+"""What the one training loop (train/loop.py) needs from a component, and nothing more.
+
+The loop owns accelerate, the optimizer and schedule, checkpoints, resume, logging, progress and the export call. A
+component owns its model, its data, its loss and its metrics: the loop never reads a key of a batch or a metric.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from omegaconf import DictConfig
+
+
+@dataclass
+class StageInputs:
+    """Where a training stage reads from: the teacher dataset, and for a component trained on a frozen drafter, the
+    drafter's export folder."""
+
+    teacher: Path
+    drafter: Path | None = None
+
+
+@runtime_checkable
+class TrainingComponent(Protocol):
+    name: str
+    model: torch.nn.Module  # what the optimizer trains (frozen parts are held outside its parameters)
+
+    def step_items(self, step: int) -> list:
+        """The global batch of `step` (every process computes it; each takes its slice): a function of (seed, step)."""
+
+    def batch(self, items: list, step: int, slot0: int) -> Any:
+        """One micro-batch of `items`, whose first item is slot `slot0` of the global batch."""
+
+    def normaliser(self, batch: Any) -> float:
+        """The batch's share of the loss normaliser, known before the forward (summed over processes)."""
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
+        """(loss SUM over the batch, stats): the loop divides by the global normaliser; stats go to train_metrics."""
+
+    def work(self, batch: Any) -> dict[str, int]:
+        """Units of work in the batch (e.g. anchor blocks, context tokens): logged as <unit>_per_s."""
+
+    def train_metrics(self, stats: list[dict]) -> dict:
+        """Loggable training metrics from the stats of one step's micro-batches."""
+
+    def evaluate(self, model: torch.nn.Module) -> dict:
+        """Held-out metrics (logged under "heldout"); `tau_offline` is the sweep objective when present."""
+
+    def export(self, model: torch.nn.Module, folder: Path) -> Path:
+        """Write the trained component where engines and the eval stage load it."""
+
+
+def loop_settings(cfg: DictConfig, own: DictConfig | None) -> DictConfig:
+    """trainer.*, with every value the component's own config section sets under the same name (steps, lr, ...)."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.to_container(cfg.trainer, resolve=True)
+    if own is not None:
+        mine = OmegaConf.to_container(own, resolve=True)
+        base.update({k: v for k, v in mine.items() if k in base and v is not None})
+    return OmegaConf.create(base)
