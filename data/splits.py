@@ -5,7 +5,10 @@ every run, process and stage (training, component training and evaluation agree 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+
+import torch
 
 
 def step_seed(*parts) -> int:
@@ -19,3 +22,25 @@ def split_heldout(ids: list[str], num_heldout: int) -> tuple[list[int], list[int
     held = sorted(order[:num_heldout])
     held_set = set(held)
     return [i for i in range(len(ids)) if i not in held_set], held
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The shuffled order of n training samples in `epoch` (a function of seed and epoch only)."""
+    gen = torch.Generator().manual_seed(step_seed(seed, "epoch", epoch))
+    return torch.randperm(n, generator=gen)
+
+
+def step_batch(train_idx: list[int], step: int, batch_size: int, seed: int) -> list[int]:
+    """Dataset indices of the global batch of `step`: consecutive slices of per-epoch permutations of train_idx."""
+    n, out = len(train_idx), []
+    for pos in range(step * batch_size, (step + 1) * batch_size):
+        epoch, j = divmod(pos, n)
+        out.append(train_idx[int(_epoch_order(n, seed, epoch)[j])])
+    return out
+
+
+def anchor_generators(seed: int, step: int, slot0: int, count: int) -> list[torch.Generator]:
+    """One generator per sequence of a micro-batch, seeded by (step, slot in the global batch): any split of the
+    global batch over processes and micro-batches draws the same anchors."""
+    return [torch.Generator().manual_seed(step_seed(seed, "anchors", step, slot0 + s)) for s in range(count)]

@@ -17,6 +17,8 @@ from types import ModuleType
 
 COMPONENTS = {
     "drafter": "dflash_pipeline.train.drafter",
+    "selector": "dflash_pipeline.train.selector",
+    "jump": "dflash_pipeline.train.jump",
 }
 
 

@@ -5,8 +5,6 @@ evaluation and an export. Later components (selector, jump heads, Weaver) bring 
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 from collections import Counter
 from pathlib import Path
@@ -16,7 +14,7 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
-from dflash_pipeline.data.splits import split_heldout, step_seed
+from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
@@ -155,19 +153,7 @@ class DrafterComponent:
 
     # -- data ------------------------------------------------------------------------------------------------
     def step_items(self, step: int) -> list[int]:
-        """Dataset indices of the global batch of `step`: consecutive slices of per-epoch permutations."""
-        n, bs = len(self.train_idx), self.cfg.trainer.batch_sequences
-        out = []
-        for pos in range(step * bs, (step + 1) * bs):
-            epoch, j = divmod(pos, n)
-            out.append(self.train_idx[int(self._epoch_order(epoch)[j])])
-        return out
-
-    @functools.lru_cache(maxsize=2)
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        """The shuffled order of the training split in `epoch` (a function of seed and epoch only)."""
-        gen = torch.Generator().manual_seed(step_seed(self.cfg.seed, "epoch", epoch))
-        return torch.randperm(len(self.train_idx), generator=gen)
+        return step_batch(self.train_idx, step, self.cfg.trainer.batch_sequences, self.cfg.seed)
 
     def items(self, indices: list[int]) -> list[dict]:
         """Teacher samples; with trainer.online the features come from the target now instead of from disk."""
@@ -179,8 +165,7 @@ class DrafterComponent:
     def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:
         """Pack sequences into blocks. Anchors are drawn per (step, slot in the global batch), so any split of the
         global batch over processes and micro-batches draws the same anchors."""
-        gens = [torch.Generator().manual_seed(step_seed(self.cfg.seed, "anchors", step, slot0 + s))
-                for s in range(len(indices))]
+        gens = anchor_generators(self.cfg.seed, step, slot0, len(indices))
         return pack_blocks(self.items(indices), block_size=self.block_size, mask_token_id=self.dconf.mask_token_id,
                            anchors_per_sequence=self.cfg.trainer.anchors_per_sequence, generators=gens)
 

@@ -1,0 +1,106 @@
+"""What every component trained on a frozen drafter shares: the teacher data and target, the frozen exported drafter,
+the same held-out split and step batches as the drafter's own training, and the drafter's outputs on packed blocks.
+
+A subclass (train/selector.py, train/jump.py) brings its model, loss, metrics and export.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from dflash_pipeline.data.blocks import pack_blocks
+from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
+from dflash_pipeline.data.teacher import teacher_and_target
+from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.train.component import StageInputs, loop_settings
+from dflash_pipeline.train.errors import TrainError
+from dflash_pipeline.train.losses import decay_weights, default_gamma
+
+
+class FrozenDrafterComponent:
+    """Base of a component trained on a frozen drafter; `section` is its config section (conf/<section>/)."""
+
+    section = ""
+
+    def __init__(self, cfg: DictConfig, inputs: StageInputs, device: torch.device):
+        self.cfg, self.own, self.device = cfg, cfg[self.section], device
+        self.settings = loop_settings(cfg, self.own)
+        self.data, self.target = teacher_and_target(cfg, inputs.teacher)
+        self.drafter_dir = inputs.drafter
+        self.target.model.to(device)
+        model = self.target.model
+        self.drafter = DFlashDrafter.from_pretrained(str(inputs.drafter), model.get_input_embeddings(),
+                                                     model.get_output_embeddings()).to(device).eval()
+        self.drafter.requires_grad_(False)
+        if self.drafter.config.target_layer_ids != list(self.data.layer_ids):
+            raise TrainError(f"the drafter at {inputs.drafter} taps layers {self.drafter.config.target_layer_ids}, "
+                             f"the teacher data {list(self.data.layer_ids)}: train both on the same teacher data")
+        self.block_size = self.drafter.config.block_size
+        self.train_idx, self.heldout_idx = split_heldout(self.data.ids, cfg.trainer.heldout_samples)
+        gamma = cfg.trainer.gamma or default_gamma(self.block_size)
+        self.position_weights = decay_weights(self.block_size - 1, gamma, device=device)  # the drafter's weights
+
+    # -- data ------------------------------------------------------------------------------------------------
+    def step_items(self, step: int) -> list[int]:
+        return step_batch(self.train_idx, step, self.settings.batch_sequences, self.cfg.seed)
+
+    @torch.no_grad()
+    def drafter_outputs(self, items: list[dict], top_k: int, anchors_per_sequence: int | None,
+                        generators=None) -> dict:
+        """The frozen drafter on packed blocks of `items`, real blocks only: hidden (N, B, H) post-norm (anchor
+        first), cand_ids / U (N, B-1, K) its top-K target ids and logits, labels / valid (N, B-1), anchors (N,),
+        prev_true (N, B-1) the true token before each position; topk_ids / topk_logprobs when the data has them."""
+        d = self.drafter
+        b = pack_blocks(items, block_size=self.block_size, mask_token_id=d.config.mask_token_id,
+                        anchors_per_sequence=anchors_per_sequence, generators=generators)
+        b = {k: v.to(self.device) for k, v in b.items()}
+        hidden = d.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
+                                  b["anchor_valid"])
+        keep = b["anchor_valid"]
+        hidden = hidden[keep].float()  # (N, B, H)
+        logits = d.logits(hidden[:, 1:]).float()
+        U, idx = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+        labels, anchors = b["labels"][keep], b["block_ids"][keep][:, 0]
+        out = {"hidden": hidden, "cand_ids": d.to_target_ids(idx), "U": U, "labels": labels,
+               "valid": b["label_valid"][keep], "anchors": anchors,
+               "prev_true": torch.cat([anchors[:, None], labels[:, :-1]], dim=1)}
+        if "topk_ids" in b:
+            out["topk_ids"], out["topk_logprobs"] = b["topk_ids"][keep], b["topk_logprobs"][keep]
+        return out
+
+    def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:
+        """Drafter outputs on the step's anchors (the same anchors the drafter's training draws for this step)."""
+        return self.drafter_outputs([self.data[i] for i in indices], self.own.top_k,
+                                    self.settings.anchors_per_sequence,
+                                    anchor_generators(self.cfg.seed, step, slot0, len(indices)))
+
+    def work(self, batch: dict) -> dict[str, int]:
+        return {"anchor_blocks": int(batch["anchors"].shape[0])}
+
+    def heldout_items(self) -> list[dict]:
+        return [self.data[i] for i in self.heldout_idx]
+
+    # -- export ----------------------------------------------------------------------------------------------
+    def export_with_drafter(self, folder: Path, tensors: dict[str, torch.Tensor], dflash_config: dict,
+                            provenance: dict) -> Path:
+        """The drafter's export plus this component's tensors (prefixed) and its dflash_config keys: one
+        checkpoint an engine loads whole."""
+        from safetensors.torch import load_file
+
+        from dflash_pipeline.data.files import save_safetensors, write_text
+
+        folder.mkdir(parents=True, exist_ok=True)
+        config = json.loads((self.drafter_dir / "config.json").read_text())
+        config["dflash_config"].update(dflash_config)
+        config.setdefault("dflash_pipeline", {})[self.section] = provenance
+        weights = load_file(str(self.drafter_dir / "model.safetensors"))
+        clash = set(weights) & set(tensors)
+        if clash:
+            raise TrainError(f"{self.section} tensors {sorted(clash)} collide with the drafter's")
+        save_safetensors({**weights, **{k: v.detach().cpu().contiguous() for k, v in tensors.items()}},
+                         folder / "model.safetensors", metadata={"format": "pt"})
+        write_text(folder / "config.json", json.dumps(config, indent=2))
+        return folder

@@ -1,0 +1,141 @@
+"""DFlash5 fused low-rank jump heads as a component: trained on a frozen drafter, they re-rank the drafter's top-K at
+sparse block offsets from the drafter's own hidden state one position earlier (no extra model forward), fix the
+confident ones, and the gaps between fixed tokens take the drafter's argmax (models/jump.py).
+
+Stage: train/jump/ in the run folder. Export: the drafter's export plus `jump_heads.{projection.weight [r, H],
+offset_embedding.weight [J, r], codebook [V, r]}` and `jump_offsets`, `jump_rank`, `jump_top_k`, `jump_margin`,
+`jump_weight` in `dflash_config`. Eval method: jump (greedy decoding only; it needs the trained block size).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_pipeline.conf.schema import ranged
+from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.metrics import offline_metrics
+from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
+from dflash_pipeline.train.frozen import FrozenDrafterComponent
+
+PREFIX = "jump_heads."
+
+
+@dataclass
+class JumpConfig:
+    """conf/jump/: the jump heads; loop settings left None follow trainer.*."""
+
+    top_k: int = ranged(16, ge=2)  # candidates re-ranked at each offset
+    rank: int = ranged(64, ge=1)
+    every: int = ranged(4, ge=1)  # offsets at block positions every, 2*every, ... (the anchor is position 0)
+    margin: float = 0.0  # fix an offset when its top-1 minus top-2 jump score is at least this
+    weight: float = ranged(1.0, ge=0.0)  # w in U + w * (residual - max residual)
+    kl_weight: float = ranged(0.0, ge=0.0, le=1.0)  # mix of KL to the target's stored top-k (needs topk_logprobs)
+    drafter_dir: Optional[str] = None  # the frozen drafter's export; None: this run's drafter stage
+    steps: Optional[int] = ranged(200, ge=1)
+    lr: Optional[float] = ranged(1e-3, gt=0.0)
+    warmup_steps: Optional[int] = ranged(None, ge=0)
+    batch_sequences: Optional[int] = ranged(None, ge=1)
+    anchors_per_sequence: Optional[int] = ranged(None, ge=1)
+    eval_every: Optional[int] = ranged(None, ge=1)
+
+
+class JumpComponent(FrozenDrafterComponent):
+    name = section = "jump"
+
+    def __init__(self, cfg, inputs, device):
+        super().__init__(cfg, inputs, device)
+        c = self.drafter.config
+        self.offsets = default_offsets(self.block_size, self.own.every)
+        self.at = torch.tensor(self.offsets, device=device) - 1  # index of block position o_j among positions 1..B-1
+        self.model = JumpHeads(c.vocab_size, c.hidden_size, self.block_size, self.offsets, self.own.rank).to(device)
+
+    def _scored(self, batch: dict) -> torch.Tensor:
+        at = self.at
+        return batch["valid"][:, at] & (batch["cand_ids"][:, at] == batch["labels"][:, at, None]).any(-1)
+
+    def normaliser(self, batch: dict) -> float:
+        return float((self._scored(batch) * self.position_weights[self.at]).sum())
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        at, b = self.at, batch
+        teacher = {}
+        if self.own.kl_weight > 0 and "topk_ids" in b:
+            teacher = {"teacher_ids": b["topk_ids"][:, at], "teacher_logprobs": b["topk_logprobs"][:, at],
+                       "kl_weight": self.own.kl_weight}
+        weights = self.position_weights[at].expand(b["labels"].shape[0], -1)
+        return jump_loss(model, b["hidden"], b["cand_ids"][:, at], b["U"][:, at], b["labels"][:, at],
+                         b["valid"][:, at], weight=self.own.weight, position_weights=weights, **teacher)
+
+    def train_metrics(self, stats: list[dict]) -> dict:
+        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        seen = total["scored"] + total["skipped"]
+        return {"candidate_recall": total["scored"] / max(1.0, seen),
+                "jump_acc": total["correct"] / max(1.0, total["scored"]),
+                "marginal_acc": total["correct_marginal"] / max(1.0, total["scored"])}
+
+    def evaluate(self, model) -> dict:
+        heads = getattr(model, "module", model)
+        was_training = heads.training
+        heads.eval()
+        method = JumpMethod(self.drafter, heads, self.own.margin, self.own.weight)
+        m = offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
+                            methods={"jump": method})
+        heads.train(was_training)
+        return {"a_k": m["methods"]["jump"]["a_k"], "tau_offline": m["methods"]["jump"]["tau_offline"],
+                "chain_tau_offline": m["tau_offline"], "oracle_tau": m["oracle_tau"][str(self.own.top_k)]}
+
+    def export(self, model, folder: Path) -> Path:
+        heads = getattr(model, "module", model)
+        o = self.own
+        return self.export_with_drafter(
+            folder, {PREFIX + k: v for k, v in heads.state_dict().items()},
+            {"jump_offsets": self.offsets, "jump_rank": o.rank, "jump_top_k": o.top_k, "jump_margin": o.margin,
+             "jump_weight": o.weight},
+            {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
+
+
+class JumpMethod(ChainMethod):
+    """Drafts guided by the jump heads: confident offsets fixed at the heads' choice, the rest the argmax."""
+
+    name = "jump"
+
+    def __init__(self, drafter, heads: JumpHeads, margin: float, weight: float, top_k: int | None = None):
+        super().__init__(drafter)
+        self.heads, self.margin, self.weight = heads, margin, weight
+        self.top_k = top_k or 16
+
+    def path(self, cand_ids, cand_logits, hidden, anchors):
+        if hidden.shape[1] != self.heads.block_size:
+            raise ValueError(f"the jump heads were trained for block {self.heads.block_size}; evaluate them at "
+                             f"eval.block_size={self.heads.block_size}")
+        ids, work = guided_path(cand_ids, cand_logits, hidden.float(), anchors, self.heads, self.margin, self.weight)
+        return ids, float(work.float().mean())
+
+    def sample_path(self, logits, hidden, anchor, temperature, generator):
+        raise ValueError("the jump method decodes greedily only: evaluate it with eval.temperature=0")
+
+
+def load_jump(folder: Path, drafter) -> JumpMethod:
+    """The jump method of an export written by JumpComponent.export (safetensors + config.json only)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    dc = config["dflash_config"]
+    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
+               if k.startswith(PREFIX)}
+    heads = JumpHeads(config["vocab_size"], config["hidden_size"], config["block_size"], dc["jump_offsets"],
+                      dc["jump_rank"])
+    heads.load_state_dict(tensors, strict=True)
+    heads.to(drafter.norm.weight.device).eval()
+    return JumpMethod(drafter, heads, dc["jump_margin"], dc["jump_weight"], dc["jump_top_k"])
+
+
+# The catalogue entry (train/catalogue.py).
+CONFIG = JumpConfig
+SECTIONS = ("jump",)
+INPUTS = ("teacher", "drafter")
+COMPONENT = JumpComponent
+METHODS = {"jump": lambda drafter, export_dir: load_jump(export_dir, drafter)}

@@ -1,0 +1,135 @@
+"""The DFlash2 pair-codebook selector as a component: trained on a frozen drafter, it picks the block's drafts among
+the drafter's top-K candidates with pair scores S_t(a, b) = U_t(b) + <A[a] * H(h_t), B[b]> (models/selector.py).
+
+Stage: train/selector/ in the run folder. Export: the drafter's export plus the selector's tensors under the
+DFlash2 names `candidate_selector.{hidden_projection.weight [r, H], predecessor_codebook [V, r],
+successor_codebook [V, r]}` and `selector_rank` / `selector_top_k` in `dflash_config`. The codebooks index the
+target vocabulary, also for a draft-vocabulary drafter (candidates are mapped to target ids first).
+Eval methods: selector_greedy (left-to-right walk, K scorings per position) and selector_viterbi (exact best path,
+K^2 per position); at temperature > 0 both sample the walk and return the distributions drawn from.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_pipeline.conf.schema import ranged
+from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.metrics import offline_metrics
+from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
+from dflash_pipeline.train.frozen import FrozenDrafterComponent
+
+PREFIX = "candidate_selector."
+
+
+@dataclass
+class SelectorConfig:
+    """conf/selector/: the pair-codebook selector; loop settings left None follow trainer.*."""
+
+    top_k: int = ranged(16, ge=2)  # candidates per position
+    rank: int = ranged(256, ge=1)  # codebook rank r
+    drafter_dir: Optional[str] = None  # the frozen drafter's export; None: this run's drafter stage
+    steps: Optional[int] = ranged(200, ge=1)
+    lr: Optional[float] = ranged(1e-3, gt=0.0)
+    warmup_steps: Optional[int] = ranged(None, ge=0)
+    batch_sequences: Optional[int] = ranged(None, ge=1)
+    anchors_per_sequence: Optional[int] = ranged(None, ge=1)
+    eval_every: Optional[int] = ranged(None, ge=1)
+
+
+class SelectorComponent(FrozenDrafterComponent):
+    name = section = "selector"
+
+    def __init__(self, cfg, inputs, device):
+        super().__init__(cfg, inputs, device)
+        c = self.drafter.config
+        self.model = PairSelector(c.vocab_size, c.hidden_size, self.own.rank, self.own.top_k).to(device)
+
+    def normaliser(self, batch: dict) -> float:
+        """The position weights of the positions the selector can score (true token among the candidates)."""
+        scored = batch["valid"] & (batch["cand_ids"] == batch["labels"][..., None]).any(-1)
+        return float((scored * self.position_weights).sum())
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        return selector_loss(model, batch["hidden"][:, 1:], batch["cand_ids"], batch["U"], batch["prev_true"],
+                             batch["labels"], batch["valid"], self.position_weights)
+
+    def train_metrics(self, stats: list[dict]) -> dict:
+        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        seen = total["scored"] + total["skipped"]
+        return {"candidate_recall": total["scored"] / max(1.0, seen),
+                "selector_acc": total["selector_correct"] / max(1.0, total["scored"]),
+                "marginal_acc": total["marginal_correct"] / max(1.0, total["scored"])}
+
+    def evaluate(self, model) -> dict:
+        """Teacher-forced on the held-out sequences: the greedy and Viterbi paths against the chain's and the
+        oracle's (any choice among the top-K)."""
+        selector = getattr(model, "module", model)
+        was_training = selector.training
+        selector.eval()
+        methods = {f"selector_{how}": SelectorMethod(self.drafter, selector, how) for how in ("greedy", "viterbi")}
+        m = offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
+                            methods=methods)
+        selector.train(was_training)
+        greedy = m["methods"]["selector_greedy"]
+        return {"a_k": greedy["a_k"], "tau_offline": greedy["tau_offline"],
+                "viterbi_tau_offline": m["methods"]["selector_viterbi"]["tau_offline"],
+                "chain_tau_offline": m["tau_offline"], "oracle_tau": m["oracle_tau"][str(self.own.top_k)]}
+
+    def export(self, model, folder: Path) -> Path:
+        selector = getattr(model, "module", model)
+        tensors = {PREFIX + k: v for k, v in selector.state_dict().items()}
+        return self.export_with_drafter(folder, tensors, selector.config_dict(),
+                                        {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
+
+
+def load_selector(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> PairSelector:
+    """The selector of an export written by SelectorComponent.export (safetensors + config.json only)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    dc = config["dflash_config"]
+    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
+               if k.startswith(PREFIX)}
+    selector = PairSelector(config["vocab_size"], config["hidden_size"], dc["selector_rank"], dc["selector_top_k"])
+    selector.load_state_dict(tensors, strict=True)
+    return selector.to(device=device, dtype=dtype).eval()
+
+
+class SelectorMethod(ChainMethod):
+    """Drafts chosen by the selector among the drafter's top-K: `how` = greedy (walk) or viterbi."""
+
+    def __init__(self, drafter, selector: PairSelector, how: str):
+        super().__init__(drafter)
+        self.selector, self.how = selector, how
+        self.name, self.top_k = f"selector_{how}", selector.top_k
+
+    def path(self, cand_ids, cand_logits, hidden, anchors):
+        walk = self.selector.greedy_walk if self.how == "greedy" else self.selector.viterbi
+        tokens = walk(cand_ids, cand_logits, hidden[:, 1:].float(), anchors)
+        return tokens, scorings_per_round(self.how, cand_ids.shape[1], cand_ids.shape[-1])
+
+    def sample_path(self, logits, hidden, anchor, temperature, generator):
+        U, idx = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        cand = self.drafter.to_target_ids(idx)[None]
+        anchors = torch.tensor([anchor], device=logits.device)
+        ids, q = self.selector.sample_walk(cand, U[None], hidden[:, 1:].float(), anchors, temperature, generator)
+        return ids[0], q[0]
+
+
+def _method(how: str):
+    def make(drafter, export_dir):
+        p = drafter.norm.weight
+        return SelectorMethod(drafter, load_selector(export_dir, p.device), how)
+    return make
+
+
+# The catalogue entry (train/catalogue.py).
+CONFIG = SelectorConfig
+SECTIONS = ("selector",)
+INPUTS = ("teacher", "drafter")
+COMPONENT = SelectorComponent
+METHODS = {"selector_greedy": _method("greedy"), "selector_viterbi": _method("viterbi")}
