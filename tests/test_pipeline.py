@@ -39,11 +39,26 @@ def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
 
 
 def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
+    """teacher -> drafter -> every component of pipeline.components -> eval of every method, each exact; a rerun
+    skips everything; a changed selector setting retrains the selector and reruns the eval, nothing else."""
     cfg = make_config()
-    out = run_stages(cfg, tmp_path, ["teacher", "train", "eval"])
+    assert {str(c) for c in cfg.pipeline.components} == {"selector", "jump"}
+    out = run_stages(cfg, tmp_path, ["teacher", "components", "eval"])
     assert (out["teacher"] / "manifest.json").is_file()
-    assert (out["train"] / "export" / "config.json").is_file()
-    assert (out["eval"] / "eval_results.json").is_file()
+    for stage in ("train", "train/selector", "train/jump"):
+        assert (out[stage] / "export" / "config.json").is_file()
+    results = json.loads((out["eval"] / "eval_results.json").read_text())
+    assert set(results["methods"]) == {"chain", "selector_greedy", "selector_viterbi", "jump"}
+    for method, per in results["methods"].items():
+        for ds, r in per.items():
+            assert r["exact"] is True and r["mismatches"] == [], (method, ds)
+            assert r["oracle_tau"] >= 1.0 and 0.0 <= r["select_fraction"] < 1.0
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
-    run_stages(cfg, tmp_path, ["teacher", "train", "eval"])
+    run_stages(cfg, tmp_path, ["teacher", "components", "eval"])
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == stamps
+
+    run_stages(make_config("selector.rank=8"), tmp_path, ["teacher", "components", "eval"])
+    changed = {p for p in tmp_path.rglob("*") if p.is_file() and stamps.get(p) != p.stat().st_mtime_ns}
+    assert out["train"] / "selector" / "done.json" in changed and out["eval"] / "eval_results.json" in changed
+    untouched = [out["teacher"] / "manifest.json", out["train"] / "done.json", out["train"] / "jump" / "done.json"]
+    assert not changed & set(untouched)

@@ -98,7 +98,11 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     if finished == digest and not t.resume:
         log.info("%s: training already complete at %s (config %s): skipping", name, out, digest)
         return out
-    if finished is not None and finished != digest and not t.resume:
+    derived = "drafter" in mod.INPUTS  # cheap, and a function of the drafter: retrained when its config changes
+    if finished is not None and finished != digest and not t.resume and derived:
+        log.warning("%s holds a finished %s of another config; training it again for config %s", out, name, digest)
+        (out / "done.json").unlink(missing_ok=True)
+    elif finished is not None and finished != digest and not t.resume:
         raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
                          "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
 
