@@ -108,7 +108,7 @@ def write_fixture():
 def test_stored_tiny_export_drafts_the_same_tokens(tmp_path):
     expected = load_file(str(FIXTURE / "expected.safetensors"))
     _, target = tiny_target()
-    torch.testing.assert_close(target_fingerprint(target), expected["target_fingerprint"], rtol=0, atol=0,
+    torch.testing.assert_close(target_fingerprint(target), expected["target_fingerprint"], rtol=1e-5, atol=1e-4,
                                msg="the tiny target's weights changed (not the drafter): regenerate the fixture")
     m = target.model
     drafter = DFlashDrafter.from_pretrained(str(FIXTURE), m.get_input_embeddings(), m.get_output_embeddings()).eval()
