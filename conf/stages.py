@@ -34,7 +34,7 @@ def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
     if stage == "teacher":
         return list(TEACHER_SECTIONS)
     if stage == "eval":
-        used = {"drafter"} | {catalogue.methods()[m][0] for m in cfg.eval.methods}
+        used = {c for m in cfg.eval.methods for c in catalogue.method_components(m)}
         parts = [stage_sections(cfg, train_stage(c)) for c in sorted(used)] + [["eval"]]
     else:
         mod = catalogue.module(component_of(stage))

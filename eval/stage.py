@@ -306,14 +306,13 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
     """{name: method} for eval.methods, each on the drafter with its component's trained export."""
     methods = {}
     for name in cfg.eval.methods:
-        component = catalogue.methods()[name][0]
-        export = None
-        if component != "drafter":
-            export = Path(component_dirs.get(component, train_dir / component)) / "export"
-            if not (export / "config.json").is_file():
-                raise EvalError(f"eval method {name} needs the trained {component} at {export}: run dflash-train "
-                                f"trainer.component={component} (or add it to pipeline.components)")
-        methods[name] = catalogue.make_method(name, drafter, export)
+        exports = {}
+        for component in catalogue.method_components(name)[1:]:
+            exports[component] = Path(component_dirs.get(component, train_dir / component)) / "export"
+            if not (exports[component] / "config.json").is_file():
+                raise EvalError(f"eval method {name} needs the trained {component} at {exports[component]}: run "
+                                f"dflash-train trainer.component={component} (or add it to pipeline.components)")
+        methods[name] = catalogue.make_method(name, drafter, exports)
     return methods
 
 

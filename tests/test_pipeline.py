@@ -48,7 +48,7 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
     for stage in ("train", "train/selector", "train/jump"):
         assert (out[stage] / "export" / "config.json").is_file()
     results = json.loads((out["eval"] / "eval_results.json").read_text())
-    assert set(results["methods"]) == {"chain", "selector_greedy", "selector_viterbi", "jump"}
+    assert set(results["methods"]) == {"chain", "selector_greedy", "selector_viterbi", "jump", "jump_selector"}
     for method, per in results["methods"].items():
         for ds, r in per.items():
             assert r["exact"] is True and r["mismatches"] == [], (method, ds)

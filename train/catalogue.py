@@ -4,7 +4,7 @@ are looked up.
 A component is one module (train/<name>.py) that declares, at module level:
   CONFIG     its config dataclass, the config group conf/<name>/ (None: it is configured by drafter + trainer)
   COMPONENT  its training component, a class following `train.component.TrainingComponent`
-  METHODS    the eval methods it brings: {name: factory(drafter, export_dir) -> method} (see eval/decode.py)
+  METHODS    the eval methods it brings: {name: EvalMethod} (see eval/decode.py for what a method does)
   INPUTS     the stages it trains on: ("teacher",) for the drafter; ("teacher", "drafter") for a component trained on
              a frozen drafter, which gets a stage of its own, train/<name>/ in the run folder
 Adding a component touches its module, its config group, its tests, and this table; nothing in the training loop,
@@ -13,13 +13,25 @@ the stage code or the eval loop. Modules are imported only when a component or m
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 COMPONENTS = {
     "drafter": "dflash_pipeline.train.drafter",
     "selector": "dflash_pipeline.train.selector",
     "jump": "dflash_pipeline.train.jump",
 }
+
+
+@dataclass(frozen=True)
+class EvalMethod:
+    """make(drafter, exports) -> the method, exports mapping each component it uses to its trained export folder:
+    the component that brings it (unless that is the drafter) and `also_needs`."""
+
+    make: Callable
+    also_needs: tuple[str, ...] = ()
 
 
 def module(name: str) -> ModuleType:
@@ -38,18 +50,19 @@ def on_frozen_drafter(name: str) -> bool:
     return "drafter" in module(name).INPUTS
 
 
-def make_method(name: str, drafter, export_dir=None):
-    """An eval method of the catalogue on `drafter`; export_dir: its component's trained export (None for the
-    drafter's own methods)."""
+def methods() -> dict[str, tuple[str, EvalMethod]]:
+    """{eval method: (the component that brings it, the method)}."""
+    return {method: (name, entry) for name in COMPONENTS for method, entry in module(name).METHODS.items()}
+
+
+def method_components(name: str) -> tuple[str, ...]:
+    """The trained components an eval method uses, the drafter always among them."""
+    owner, entry = methods()[name]
+    return tuple(dict.fromkeys(("drafter", owner, *entry.also_needs)))
+
+
+def make_method(name: str, drafter, exports: dict[str, Path] | None = None):
+    """An eval method of the catalogue on `drafter`, with the export folders of the components it uses."""
     if name not in methods():
         raise KeyError(f"unknown eval method {name!r}; available: {', '.join(sorted(methods()))}")
-    return methods()[name][1](drafter, export_dir)
-
-
-def methods() -> dict[str, tuple[str, object]]:
-    """{eval method: (the component that brings it, its factory)}."""
-    out = {}
-    for name in COMPONENTS:
-        for method, factory in module(name).METHODS.items():
-            out[method] = (name, factory)
-    return out
+    return methods()[name][1].make(drafter, exports or {})

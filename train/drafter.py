@@ -21,6 +21,7 @@ from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target
+from dflash_pipeline.train.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import block_loss, default_gamma, effective_valid, normaliser
@@ -245,4 +246,4 @@ CONFIG = None
 SECTIONS = ("drafter", "trainer")
 INPUTS = ("teacher",)
 COMPONENT = DrafterComponent
-METHODS = {"chain": lambda drafter, export_dir: ChainMethod(drafter)}
+METHODS = {"chain": EvalMethod(lambda drafter, exports: ChainMethod(drafter))}

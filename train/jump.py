@@ -4,7 +4,8 @@ confident ones, and the gaps between fixed tokens take the drafter's argmax (mod
 
 Stage: train/jump/ in the run folder. Export: the drafter's export plus `jump_heads.{projection.weight [r, H],
 offset_embedding.weight [J, r], codebook [V, r]}` and `jump_offsets`, `jump_rank`, `jump_top_k`, `jump_margin`,
-`jump_weight` in `dflash_config`. Eval method: jump (greedy decoding only; it needs the trained block size).
+`jump_weight` in `dflash_config`. Eval methods (greedy decoding only; they need the trained block size): jump (gaps take the drafter's argmax) and
+jump_selector (gaps are the trained selector's best path between their fixed neighbours).
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
+from dflash_pipeline.models.selector import PairSelector
+from dflash_pipeline.train.catalogue import EvalMethod
 from dflash_pipeline.train.frozen import FrozenDrafterComponent
+from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_heads."
 
@@ -102,26 +106,31 @@ class JumpComponent(FrozenDrafterComponent):
 class JumpMethod(ChainMethod):
     """Drafts guided by the jump heads: confident offsets fixed at the heads' choice, the rest the argmax."""
 
-    name = "jump"
-
-    def __init__(self, drafter, heads: JumpHeads, margin: float, weight: float, top_k: int | None = None):
+    def __init__(self, drafter, heads: JumpHeads, margin: float, weight: float, top_k: int = 16,
+                 selector: PairSelector | None = None):
         super().__init__(drafter)
-        self.heads, self.margin, self.weight = heads, margin, weight
-        self.top_k = top_k or 16
+        self.heads, self.margin, self.weight, self.top_k, self.selector = heads, margin, weight, top_k, selector
+        self.name = "jump" if selector is None else "jump_selector"
+        if selector is not None and selector.top_k != top_k:
+            raise ValueError(f"jump_selector needs the same candidates: selector.top_k={selector.top_k}, "
+                             f"jump.top_k={top_k}")
 
     def path(self, cand_ids, cand_logits, hidden, anchors):
         if hidden.shape[1] != self.heads.block_size:
             raise ValueError(f"the jump heads were trained for block {self.heads.block_size}; evaluate them at "
                              f"eval.block_size={self.heads.block_size}")
-        ids, work = guided_path(cand_ids, cand_logits, hidden.float(), anchors, self.heads, self.margin, self.weight)
+        transition = None if self.selector is None else self.selector.transition
+        ids, work = guided_path(cand_ids, cand_logits, hidden.float(), anchors, self.heads, self.margin, self.weight,
+                                transition)
         return ids, float(work.float().mean())
 
     def sample_path(self, logits, hidden, anchor, temperature, generator):
         raise ValueError("the jump method decodes greedily only: evaluate it with eval.temperature=0")
 
 
-def load_jump(folder: Path, drafter) -> JumpMethod:
-    """The jump method of an export written by JumpComponent.export (safetensors + config.json only)."""
+def load_jump(folder: Path, drafter, selector: PairSelector | None = None) -> JumpMethod:
+    """The jump method of an export written by JumpComponent.export (safetensors + config.json only); with a
+    selector, the gaps between fixed tokens are its best path from both neighbours."""
     config = json.loads((Path(folder) / "config.json").read_text())
     dc = config["dflash_config"]
     tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
@@ -130,7 +139,7 @@ def load_jump(folder: Path, drafter) -> JumpMethod:
                       dc["jump_rank"])
     heads.load_state_dict(tensors, strict=True)
     heads.to(drafter.norm.weight.device).eval()
-    return JumpMethod(drafter, heads, dc["jump_margin"], dc["jump_weight"], dc["jump_top_k"])
+    return JumpMethod(drafter, heads, dc["jump_margin"], dc["jump_weight"], dc["jump_top_k"], selector)
 
 
 # The catalogue entry (train/catalogue.py).
@@ -138,4 +147,10 @@ CONFIG = JumpConfig
 SECTIONS = ("jump",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = JumpComponent
-METHODS = {"jump": lambda drafter, export_dir: load_jump(export_dir, drafter)}
+METHODS = {
+    "jump": EvalMethod(lambda drafter, exports: load_jump(exports["jump"], drafter)),
+    # gaps filled by the trained selector's walk from both neighbours instead of the argmax
+    "jump_selector": EvalMethod(lambda drafter, exports: load_jump(
+        exports["jump"], drafter, load_selector(exports["selector"], drafter.norm.weight.device)),
+        also_needs=("selector",)),
+}

@@ -22,6 +22,7 @@ from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
+from dflash_pipeline.train.catalogue import EvalMethod
 from dflash_pipeline.train.frozen import FrozenDrafterComponent
 
 PREFIX = "candidate_selector."
@@ -120,11 +121,9 @@ class SelectorMethod(ChainMethod):
         return ids[0], q[0]
 
 
-def _method(how: str):
-    def make(drafter, export_dir):
-        p = drafter.norm.weight
-        return SelectorMethod(drafter, load_selector(export_dir, p.device), how)
-    return make
+def _method(how: str) -> EvalMethod:
+    return EvalMethod(lambda drafter, exports: SelectorMethod(
+        drafter, load_selector(exports["selector"], drafter.norm.weight.device), how))
 
 
 # The catalogue entry (train/catalogue.py).
