@@ -20,7 +20,6 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # transition(hidden (M, H), prev_ids (M, Kp), cand_ids (M, Ks)) -> (M, Kp, Ks): the pair score of predecessor

@@ -148,7 +148,7 @@ def test_gap_fill_equals_brute_force(margin):
 def test_gap_fill_reaches_the_right_fixed_token():
     """A one-position gap between the anchor and a fixed token: the candidate with the better U loses when its
     transition into the fixed token is bad (a left-to-right walk alone would keep it)."""
-    B, K = 4, 2
+    B = 4
     heads = JumpHeads(V, H, B, [2], rank=r)
     cand_ids = torch.tensor([[[10, 11], [20, 21], [30, 31]]])
     U = torch.tensor([[[1.0, 0.5], [3.0, 0.0], [0.0, 0.0]]])  # offset 2 fixed at 20 (margin 3 >= 1)
