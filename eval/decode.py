@@ -152,6 +152,9 @@ class ChainMethod:
     def start(self) -> None:
         self.cache = self.drafter.new_cache()
 
+    def check(self, block_size: int, temperature: float) -> None:
+        """Raise ValueError when the method cannot run at this block size / temperature (before any decoding)."""
+
     def path(self, cand_ids: torch.Tensor, cand_logits: torch.Tensor, hidden: torch.Tensor,
              anchors: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The drafts (N, P) among the candidates (N, P, K) given the block hidden states (N, B, H, anchor first)
@@ -178,14 +181,17 @@ class ChainMethod:
         block[0, 0] = state.anchor
         positions = torch.arange(state.anchor_pos, state.anchor_pos + block_size, device=device)
         hidden = d.forward_step(state.new_features, state.new_positions, block, positions, self.cache)  # (1, B, H)
-        _sync(device)
-        t0 = time.perf_counter()
         if temperature <= 0:
             ids, logits = candidates(d, hidden[:, 1:], self.top_k)
+            _sync(device)
+            t0 = time.perf_counter()  # selection: what the method does after the drafter's logits and top-K
             tokens, scorings = self.path(ids, logits, hidden, torch.tensor([state.anchor], device=device))
             _sync(device)
             return Proposal(tokens[0], select_s=time.perf_counter() - t0, scorings=scorings)
-        tokens, q = self.sample_path(d.logits(hidden[0, 1:]).float(), hidden, state.anchor, temperature, generator)
+        logits = d.logits(hidden[0, 1:]).float()
+        _sync(device)
+        t0 = time.perf_counter()
+        tokens, q = self.sample_path(logits, hidden, state.anchor, temperature, generator)
         _sync(device)
         return Proposal(tokens, q, select_s=time.perf_counter() - t0)
 

@@ -132,7 +132,8 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
     label = to_column[target_labels]
     a, counts = conditional_acceptance(top[..., 0] == label, valid)
     rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
-    oracle = oracle_acceptance(top, label, valid, [k for k in ks if k <= kmax])
+    oracle_ks = sorted({*ks, *(m.top_k for m in methods.values())})
+    oracle = oracle_acceptance(top, label, valid, [k for k in oracle_ks if k <= kmax])
     per_method = {}
     for name, chunks in paths.items():
         m_a, _ = conditional_acceptance(torch.cat(chunks) == target_labels, valid)

@@ -312,7 +312,10 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
             if not (exports[component] / "config.json").is_file():
                 raise EvalError(f"eval method {name} needs the trained {component} at {exports[component]}: run "
                                 f"dflash-train trainer.component={component} (or add it to pipeline.components)")
-        methods[name] = catalogue.make_method(name, drafter, exports)
+        try:
+            methods[name] = catalogue.make_method(name, drafter, exports)
+        except ValueError as err:  # exports that do not fit together
+            raise EvalError(f"eval method {name}: {err}") from err
     return methods
 
 
@@ -329,6 +332,11 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         raise EvalError(f"eval.block_size={B} must be in 2 .. {trained_B} (the trained block size)")
     layer_ids = list(drafter.config.target_layer_ids)
     methods = load_methods(cfg, drafter, train_dir, component_dirs)
+    for name, method in methods.items():
+        try:
+            method.check(B, e.temperature)
+        except ValueError as err:
+            raise EvalError(f"eval method {name}: {err}") from err
     room = target.model.config.max_position_embeddings - e.max_new_tokens - B
     ks = sorted(set(e.recall_k))
 

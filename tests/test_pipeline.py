@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dflash_pipeline.conf.entrypoints import run_stages
+from dflash_pipeline.eval.stage import EvalError, run_eval
 
 from conftest import make_config
 
@@ -62,3 +63,9 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
     assert out["train"] / "selector" / "done.json" in changed and out["eval"] / "eval_results.json" in changed
     untouched = [out["teacher"] / "manifest.json", out["train"] / "done.json", out["train"] / "jump" / "done.json"]
     assert not changed & set(untouched)
+
+    # a method that cannot run with the asked settings is refused before any decoding, in one line
+    with pytest.raises(EvalError, match=r"eval method jump: .* greedily only"):
+        run_eval(make_config("eval.temperature=0.5"), tmp_path / "eval-sampling", teacher_dir=out["teacher"],
+                 train_dir=out["train"])
+    assert not (tmp_path / "eval-sampling").exists()

@@ -3,11 +3,13 @@ are looked up.
 
 A component is one module (train/<name>.py) that declares, at module level:
   CONFIG     its config dataclass, the config group conf/<name>/ (None: it is configured by drafter + trainer)
+  SECTIONS   the config sections of its own that its stage's output depends on (the stage hash adds its inputs')
   COMPONENT  its training component, a class following `train.component.TrainingComponent`
   METHODS    the eval methods it brings: {name: EvalMethod} (see eval/decode.py for what a method does)
   INPUTS     the stages it trains on: ("teacher",) for the drafter; ("teacher", "drafter") for a component trained on
              a frozen drafter, which gets a stage of its own, train/<name>/ in the run folder
-Adding a component touches its module, its config group, its tests, and this table; nothing in the training loop,
+Adding a component touches its module, its config group (conf/<name>/default.yaml and its line in conf/config.yaml's
+defaults), its tests, and this table; nothing in the training loop,
 the stage code or the eval loop. Modules are imported only when a component or method is used.
 """
 from __future__ import annotations

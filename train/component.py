@@ -46,7 +46,7 @@ class TrainingComponent(Protocol):
         """Loggable training metrics from the stats of one step's micro-batches."""
 
     def evaluate(self, model: torch.nn.Module) -> dict:
-        """Held-out metrics (logged under "heldout"); `tau_offline` is the sweep objective when present."""
+        """Held-out metrics (logged under "heldout"), with `tau_offline` for the path the component proposes."""
 
     def export(self, model: torch.nn.Module, folder: Path) -> Path:
         """Write the trained component where engines and the eval stage load it."""

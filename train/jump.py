@@ -86,7 +86,7 @@ class JumpComponent(FrozenDrafterComponent):
         heads = getattr(model, "module", model)
         was_training = heads.training
         heads.eval()
-        method = JumpMethod(self.drafter, heads, self.own.margin, self.own.weight)
+        method = JumpMethod(self.drafter, heads, self.own.margin, self.own.weight, self.own.top_k)
         m = offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
                             methods={"jump": method})
         heads.train(was_training)
@@ -115,17 +115,22 @@ class JumpMethod(ChainMethod):
             raise ValueError(f"jump_selector needs the same candidates: selector.top_k={selector.top_k}, "
                              f"jump.top_k={top_k}")
 
-    def path(self, cand_ids, cand_logits, hidden, anchors):
-        if hidden.shape[1] != self.heads.block_size:
+    def check(self, block_size: int, temperature: float) -> None:
+        if block_size != self.heads.block_size:
             raise ValueError(f"the jump heads were trained for block {self.heads.block_size}; evaluate them at "
                              f"eval.block_size={self.heads.block_size}")
+        if temperature > 0:
+            raise ValueError("the jump methods decode greedily only: evaluate them with eval.temperature=0")
+
+    def path(self, cand_ids, cand_logits, hidden, anchors):
+        self.check(hidden.shape[1], 0.0)
         transition = None if self.selector is None else self.selector.transition
         ids, work = guided_path(cand_ids, cand_logits, hidden.float(), anchors, self.heads, self.margin, self.weight,
                                 transition)
         return ids, float(work.float().mean())
 
     def sample_path(self, logits, hidden, anchor, temperature, generator):
-        raise ValueError("the jump method decodes greedily only: evaluate it with eval.temperature=0")
+        self.check(hidden.shape[1], temperature)
 
 
 def load_jump(folder: Path, drafter, selector: PairSelector | None = None) -> JumpMethod:

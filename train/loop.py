@@ -80,15 +80,15 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     """Train `component` (default: trainer.component) in stage folder `out`; returns `out` (export/ inside).
 
     data_dir: the teacher dataset (default: trainer.data_dir, else the run's teacher stage). drafter_dir: the
-    drafter export a component trained on a frozen drafter reads (default: <component>.drafter_dir, else the run's
-    drafter stage, which holds `out`)."""
+    run's drafter export that a component trained on a frozen drafter reads (<component>.drafter_dir, when set, wins;
+    default: the drafter stage that holds `out`)."""
     check_config(cfg)
     name = str(component or cfg.trainer.component)
     mod = catalogue.module(name)
     own = cfg.get(name) if mod.CONFIG is not None else None
     inputs = StageInputs(teacher=Path(data_dir or cfg.trainer.data_dir or _run_dir(out, name) / cfg.teacher.out_dir))
     if "drafter" in mod.INPUTS:
-        inputs.drafter = Path(drafter_dir or own.get("drafter_dir") or out.parent / "export")
+        inputs.drafter = Path(own.get("drafter_dir") or drafter_dir or out.parent / "export")
         if not (inputs.drafter / "config.json").is_file():
             raise TrainError(f"{name} trains on a frozen drafter, and there is no exported drafter at "
                              f"{inputs.drafter}: run dflash-train (the drafter) first or set {name}.drafter_dir")
