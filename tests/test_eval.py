@@ -303,11 +303,12 @@ def test_offline_metrics_on_known_predictions(random_drafter):
 # -- the stage ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_eval(tmp_path_factory, tiny_teacher):
-    """teacher (shared fixture) -> 4 training steps -> eval, with the tiny experiment's eval settings."""
+    """teacher (shared fixture) -> 4 training steps -> eval of the chain, with the tiny experiment's eval settings
+    (the components' methods: tests/test_pipeline.py)."""
     from dflash_pipeline.train.loop import run_train
 
     root = tmp_path_factory.mktemp("eval_run")
-    cfg = make_config(f"trainer.data_dir={tiny_teacher}")
+    cfg = make_config(f"trainer.data_dir={tiny_teacher}", "eval.methods=[chain]")
     run_train(cfg, root / "train")
     out = run_eval(cfg, root / "eval")
     return cfg, out

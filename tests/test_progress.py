@@ -164,7 +164,7 @@ def test_train_and_eval_show_steps_and_prompts(tiny_teacher, tmp_path, capsys, c
 
     monkeypatch.delenv("DFLASH_PROGRESS", raising=False)
     caplog.set_level(logging.INFO)
-    cfg = make_config("eval.datasets=[mtbench]", "eval.num_prompts=1")
+    cfg = make_config("eval.datasets=[mtbench]", "eval.num_prompts=1", "eval.methods=[chain]")
     run_train(cfg, tmp_path / "train", data_dir=tiny_teacher)
     run_eval(cfg, tmp_path / "eval", teacher_dir=tiny_teacher, train_dir=tmp_path / "train")
     err = capsys.readouterr().err

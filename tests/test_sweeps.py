@@ -30,7 +30,7 @@ def console(name: str) -> str:
 
 def sweep_cmd(sweep_dir: Path, *extra: str) -> list[str]:
     return [console("dflash-pipeline"), "-m", "experiment=tiny", *GRID, f"hydra.sweep.dir={sweep_dir}",
-            "eval.datasets=[mtbench,heldout]", *extra]
+            "eval.datasets=[mtbench,heldout]", "eval.methods=[chain]", "pipeline.components=[]", *extra]
 
 
 def finished_jobs(sweep_dir: Path) -> list[Path]:
