@@ -60,3 +60,44 @@ def accelerate_launch(n: int, *module_and_args: str) -> list[str]:
 def metrics(train_dir: Path) -> list[dict]:
     """The rows a training run logged to metrics.jsonl."""
     return [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def sampling_case(V: int = 6, T: float = 1.0):
+    """A 6-token random target, a 1-layer drafter on it with block 3, a prompt, and the target's exact joint
+    distribution of the first 3 sampled tokens (V**3 cells): the ground truth of speculative sampling tests."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    conf = DFlashDrafterConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, vocab_size=V, block_size=3,
+        target_hidden_size=32, target_layer_ids=[0], num_target_layers=2, mask_token_id=V - 1)
+    drafter = DFlashDrafter(conf, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    prompt = [1, 2, 3, 0]
+    P = len(prompt)
+    with torch.no_grad():  # exact joint p(a) p(b|a) p(c|a,b)
+        seqs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        probs = torch.softmax(model(input_ids=seqs).logits.double() / T, -1)
+    p1 = probs[0, P - 1]
+    joint = (p1[:, None, None] * probs[:, P].view(V, V, V)[:, 0][:, :, None] * probs[:, P + 1].view(V, V, V)).flatten()
+    return SimpleNamespace(model=model, eos_ids=set()), drafter, prompt, p1, joint
+
+
+def chi_square_p(counts, expected) -> float:
+    """p-value of observed counts against expected ones, cells with expectation < 5 pooled into one."""
+    import torch
+    from scipy.stats import chi2
+
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum()[None]])
+    o = torch.cat([counts[big], counts[~big].sum()[None]])
+    return float(chi2.sf(float(((o - e) ** 2 / e).sum()), len(e) - 1))

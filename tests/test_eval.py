@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from scipy.stats import chi2
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from dflash_pipeline.conf.schema import ConfigError
 from dflash_pipeline.conf.stages import config_hash
@@ -16,10 +15,10 @@ from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, conditional_acceptance, offline_metrics, recall_at_k, simulated_tau
 from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
-from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
+from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import generate
 from dflash_pipeline.models.target import load_target
-from tests.conftest import make_config
+from tests.conftest import chi_square_p, make_config, sampling_case
 from dflash_pipeline.train.drafter import drafter_config
 
 TEXTS = ["Write a haiku about the sea.", "What is 12 times 7?", "List three prime numbers."]
@@ -208,26 +207,7 @@ def test_speculative_sampling_matches_target_distribution():
     chi-square (cells with expectation < 5 pooled). A sampler that draws from p instead of the residual
     norm(max(0, p - q)) after a rejection fails this test (p < 1e-3 at these sizes)."""
     V, T, N = 6, 1.0, 2000
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
-    tgt = SimpleNamespace(model=model, eos_ids=set())
-    conf = DFlashDrafterConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, vocab_size=V, block_size=3,
-        target_hidden_size=32, target_layer_ids=[0], num_target_layers=2, mask_token_id=V - 1)
-    drafter = DFlashDrafter(conf, model.get_input_embeddings(), model.get_output_embeddings()).eval()
-    prompt = [1, 2, 3, 0]
-    P = len(prompt)
-    with torch.no_grad():  # exact joint p(a) p(b|a) p(c|a,b)
-        seqs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        probs = torch.softmax(model(input_ids=seqs).logits.double() / T, -1)
-    p1 = probs[0, P - 1]
-    p2 = probs[:, P].view(V, V, V)[:, 0]
-    p3 = probs[:, P + 1].view(V, V, V)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+    tgt, drafter, prompt, p1, joint = sampling_case(V, T)
 
     for block in (2, 3):  # block 2: the bonus token enters the first 3; block 3: two chained acceptances
         gen = torch.Generator().manual_seed(block)
@@ -240,13 +220,8 @@ def test_speculative_sampling_matches_target_distribution():
             accepted += res.accepted
         hist = torch.bincount(torch.tensor(accepted), minlength=block).tolist()
         assert min(hist) > 0.1 * len(accepted), f"both rejections and acceptances must occur: {hist}"
-        expected = joint * N
-        big = expected >= 5
-        e = torch.cat([expected[big], expected[~big].sum()[None]])
-        o = torch.cat([counts[big], counts[~big].sum()[None]])
-        stat = float(((o - e) ** 2 / e).sum())
-        p_value = chi2.sf(stat, len(e) - 1)
-        assert p_value > 1e-3, f"block {block}: chi2 {stat:.1f} on {len(e) - 1} dof, p = {p_value:.2g}"
+        p_value = chi_square_p(counts, joint * N)
+        assert p_value > 1e-3, f"block {block}: p = {p_value:.2g}"
 
     # the autoregressive sampler draws the first token from p1 too (same temperature handling)
     gen = torch.Generator().manual_seed(7)

@@ -6,11 +6,14 @@ A subclass (train/selector.py, train/jump.py) brings its model, loss, metrics an
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig
 
+from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
@@ -18,6 +21,20 @@ from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.component import StageInputs, loop_settings
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import decay_weights, default_gamma
+
+
+@dataclass
+class FrozenComponentConfig:
+    """What every component on a frozen drafter can set: where the drafter comes from, and loop settings (None:
+    the trainer.* value)."""
+
+    drafter_dir: Optional[str] = None  # the frozen drafter's export; None: this run's drafter stage
+    steps: Optional[int] = ranged(200, ge=1)
+    lr: Optional[float] = ranged(1e-3, gt=0.0)
+    warmup_steps: Optional[int] = ranged(None, ge=0)
+    batch_sequences: Optional[int] = ranged(None, ge=1)
+    anchors_per_sequence: Optional[int] = ranged(None, ge=1)
+    eval_every: Optional[int] = ranged(None, ge=1)
 
 
 class FrozenDrafterComponent:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors.torch import load_file
@@ -23,15 +22,15 @@ from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.train.catalogue import EvalMethod
-from dflash_pipeline.train.frozen import FrozenDrafterComponent
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
 from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_heads."
 
 
 @dataclass
-class JumpConfig:
-    """conf/jump/: the jump heads; loop settings left None follow trainer.*."""
+class JumpConfig(FrozenComponentConfig):
+    """conf/jump/: the jump heads."""
 
     top_k: int = ranged(16, ge=2)  # candidates re-ranked at each offset
     rank: int = ranged(64, ge=1)
@@ -39,13 +38,6 @@ class JumpConfig:
     margin: float = 0.0  # fix an offset when its top-1 minus top-2 jump score is at least this
     weight: float = ranged(1.0, ge=0.0)  # w in U + w * (residual - max residual)
     kl_weight: float = ranged(0.0, ge=0.0, le=1.0)  # mix of KL to the target's stored top-k (needs topk_logprobs)
-    drafter_dir: Optional[str] = None  # the frozen drafter's export; None: this run's drafter stage
-    steps: Optional[int] = ranged(200, ge=1)
-    lr: Optional[float] = ranged(1e-3, gt=0.0)
-    warmup_steps: Optional[int] = ranged(None, ge=0)
-    batch_sequences: Optional[int] = ranged(None, ge=1)
-    anchors_per_sequence: Optional[int] = ranged(None, ge=1)
-    eval_every: Optional[int] = ranged(None, ge=1)
 
 
 class JumpComponent(FrozenDrafterComponent):

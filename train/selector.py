@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors.torch import load_file
@@ -23,24 +22,17 @@ from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.train.catalogue import EvalMethod
-from dflash_pipeline.train.frozen import FrozenDrafterComponent
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
 
 PREFIX = "candidate_selector."
 
 
 @dataclass
-class SelectorConfig:
-    """conf/selector/: the pair-codebook selector; loop settings left None follow trainer.*."""
+class SelectorConfig(FrozenComponentConfig):
+    """conf/selector/: the pair-codebook selector."""
 
     top_k: int = ranged(16, ge=2)  # candidates per position
     rank: int = ranged(256, ge=1)  # codebook rank r
-    drafter_dir: Optional[str] = None  # the frozen drafter's export; None: this run's drafter stage
-    steps: Optional[int] = ranged(200, ge=1)
-    lr: Optional[float] = ranged(1e-3, gt=0.0)
-    warmup_steps: Optional[int] = ranged(None, ge=0)
-    batch_sequences: Optional[int] = ranged(None, ge=1)
-    anchors_per_sequence: Optional[int] = ranged(None, ge=1)
-    eval_every: Optional[int] = ranged(None, ge=1)
 
 
 class SelectorComponent(FrozenDrafterComponent):
