@@ -4,6 +4,7 @@ credentials it runs offline instead of stopping to ask for a key."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from pathlib import Path
 
@@ -42,9 +43,31 @@ def wandb_mode(requested: str | None) -> str | None:
         return str(requested)
     import wandb
 
-    if wandb.setup().settings.mode != "online":
+    settings = wandb.setup().settings
+    if settings.mode != "online":
         return None
-    return None if wandb.login(prompt=False, verify=False) else "offline"
+    return None if _has_credentials(settings) else "offline"
+
+
+def _has_credentials(settings) -> bool:
+    """Whether wandb would find an API key, read locally: wandb.login() would also look the user up on the server,
+    which on a machine without a route to it hangs until a network timeout."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.api_key:
+        return True
+    try:
+        from wandb.sdk.lib.wbauth import read_netrc_auth  # wandb's own reader knows its host aliases
+    except ImportError:  # another wandb layout: the netrc entry for the configured host
+        import netrc
+        from urllib.parse import urlsplit
+
+        try:
+            return netrc.netrc(os.environ.get("NETRC")).authenticators(urlsplit(settings.base_url).netloc) is not None
+        except (OSError, netrc.NetrcParseError):
+            return False
+    try:
+        return read_netrc_auth(host=settings.base_url) is not None
+    except Exception:  # an unreadable or malformed entry: wandb would not log in with it either
+        return False
 
 
 class RunLogger:
