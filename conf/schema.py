@@ -219,6 +219,23 @@ class TrainerConfig:
 
 
 @dataclass
+class PolicyConfig:
+    """eval.policy: settings of the decoding policies (eval/policies.py). A None value is calibrated once per eval
+    run on held-out teacher sequences kept apart from the eval prompts, over the bounded grid next to it."""
+
+    top_k: int = ranged(16, ge=2)  # candidates the training-free policies choose among (Boltzmann)
+    temperature: Optional[float] = ranged(None, gt=0.0)  # Boltzmann T; None: the best of `temperatures`
+    temperatures: list[float] = ranged(gt=0.0, nonempty=True, factory=lambda: [0.02, 0.05, 0.10, 0.20, 0.35])
+    threshold: Optional[float] = ranged(None, ge=0.0)  # ACT margin threshold; None: the best of `thresholds`
+    thresholds: list[float] = ranged(ge=0.0, nonempty=True, factory=lambda: [0.0, 0.25, 0.5, 1.0, 1.5, 2.0])
+    refine: int = ranged(0, ge=0)  # MOBS refinement passes (each re-picks every position given both neighbours)
+    adaptive: bool = True  # False: the adaptive method keeps the fixed block (the switch for an A/B)
+    probe_every: int = ranged(16, ge=1)  # adaptive: rounds without drafting before it tries the drafter again
+    memory: float = ranged(0.9, ge=0.0, lt=1.0)  # adaptive: decay of its running per-position acceptance
+    calibration_sequences: int = ranged(32, ge=1)  # held-out teacher sequences the calibration uses
+
+
+@dataclass
 class EvalConfig:
     """Evaluation (eval/stage.py): offline (teacher-forced) and online (real verification) acceptance, speed."""
 
@@ -240,6 +257,7 @@ class EvalConfig:
     # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval
     # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).
     num_threads: Optional[int] = ranged(1, ge=1)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # decoding policies' settings (eval/policies.py)
 
 
 @dataclass

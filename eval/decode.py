@@ -11,7 +11,9 @@ Speculative round (docs/metrics.md, 'The speculative round'), with L = the numbe
 
 Methods come from the components of train/catalogue.py (each module's METHODS). A block method is a ChainMethod
 whose `path` chooses the drafts among the drafter's top-K candidates (the chain: each position's argmax); the same
-`path` gives its teacher-forced (offline) metrics. A tree method also needs its own verify (not built here).
+`path` gives its teacher-forced (offline) metrics. A path may verify fewer drafts than the block holds: it marks the
+unverified tail NOT_VERIFIED (policies of eval/policies.py), and a round then verifies [anchor, leading drafts].
+A tree method also needs its own verify (not built here).
 
 Timings use time.perf_counter after a device synchronize, so GPU runs time real work, not kernel launches.
 """
@@ -24,6 +26,10 @@ import torch
 from transformers import DynamicCache
 
 from dflash_pipeline.models.drafter import DFlashDrafter
+
+
+NOT_VERIFIED = -1  # a path's drafts from here on are not verified this round (offline: they count as rejected)
+CONTEXT = 8  # committed tokens, ending at the anchor, that a method sees as its context (RoundState.context)
 
 
 # -- small helpers -----------------------------------------------------------------------------------------------
@@ -114,6 +120,7 @@ class RoundState:
     anchor: int  # the token at anchor_pos (committed by the target, features not yet known)
     anchor_pos: int  # L: committed tokens before the anchor
     output: list[int]  # generated so far, ending with the anchor
+    context: list[int] = field(default_factory=list)  # the last CONTEXT committed tokens (prompt included), anchor last
 
 
 @dataclass
@@ -155,10 +162,18 @@ class ChainMethod:
     def check(self, block_size: int, temperature: float) -> None:
         """Raise ValueError when the method cannot run at this block size / temperature (before any decoding)."""
 
+    def prepare(self, ctx) -> dict:
+        """Called once per eval run before decoding, with the run's EvalContext (eval/policies.py: the target's
+        verify-cost curve, calibration sequences); returns what the method chose (reported), e.g. a calibrated
+        temperature. Most methods need nothing."""
+        return {}
+
     def path(self, cand_ids: torch.Tensor, cand_logits: torch.Tensor, hidden: torch.Tensor,
-             anchors: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The drafts (N, P) among the candidates (N, P, K) given the block hidden states (N, B, H, anchor first)
-        and anchors (N,); returns them with the number of candidate scorings per block."""
+             anchors: torch.Tensor, context: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """The drafts (N, P) among the candidates (N, P, K) given the block hidden states (N, B, H, anchor first),
+        anchors (N,) and context (N, CONTEXT) the committed tokens ending at the anchor (-1 before the sequence
+        start); returns them with the number of candidate scorings per block. Drafts from a NOT_VERIFIED on are
+        not verified."""
         return cand_ids[..., 0], 0
 
     def sample_path(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: int, temperature: float,
@@ -185,9 +200,10 @@ class ChainMethod:
             ids, logits = candidates(d, hidden[:, 1:], self.top_k)
             _sync(device)
             t0 = time.perf_counter()  # selection: what the method does after the drafter's logits and top-K
-            tokens, scorings = self.path(ids, logits, hidden, torch.tensor([state.anchor], device=device))
+            tokens, scorings = self.path(ids, logits, hidden, torch.tensor([state.anchor], device=device),
+                                         context_tensor(state.context, device))
             _sync(device)
-            return Proposal(tokens[0], select_s=time.perf_counter() - t0, scorings=scorings)
+            return Proposal(verified_prefix(tokens[0]), select_s=time.perf_counter() - t0, scorings=scorings)
         logits = d.logits(hidden[0, 1:]).float()
         _sync(device)
         t0 = time.perf_counter()
@@ -196,11 +212,24 @@ class ChainMethod:
         return Proposal(tokens, q, select_s=time.perf_counter() - t0)
 
 
+def context_tensor(tokens: list[int], device) -> torch.Tensor:
+    """(1, CONTEXT): the last CONTEXT tokens, left-padded with -1."""
+    tail = list(tokens[-CONTEXT:])
+    return torch.tensor([[-1] * (CONTEXT - len(tail)) + tail], device=device)
+
+
+def verified_prefix(drafts: torch.Tensor) -> torch.Tensor:
+    """The drafts before the first NOT_VERIFIED (all of them when there is none)."""
+    cut = (drafts == NOT_VERIFIED).nonzero()
+    return drafts[: int(cut[0, 0])] if len(cut) else drafts
+
+
 # -- speculative decoding ----------------------------------------------------------------------------------------
 @dataclass
 class SpecResult:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify round, 0 .. B-1 (before truncation)
+    verified: list[int] = field(default_factory=list)  # drafts verified per round (B-1 unless the method verifies fewer)
     draft_s: list[float] = field(default_factory=list)  # per round: propose (drafter forward + selection)
     select_s: list[float] = field(default_factory=list)  # per round: the selection part of propose
     scorings: list[int] = field(default_factory=list)  # per round: candidate scorings of the selection
@@ -243,7 +272,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     """Speculative decoding of one prompt. drafter: a DFlashDrafter (run as the "chain" method) or a method object.
 
     Greedy output equals `autoregressive`'s token for token; with temperature > 0 it is distributed as the
-    target's own samples. Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
+    target's own samples. A round verifies the anchor and the drafts the method proposed (at most B-1). Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
     exactly max_new_tokens.
     """
     method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
@@ -271,13 +300,15 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     done = anchor in eos or len(output) >= max_new_tokens
     while not done:
         t0 = time.perf_counter()
-        prop = method.propose(RoundState(new_features, new_positions, anchor, L, output), B, temperature, generator)
+        context = (prompt_ids + output)[-CONTEXT:]
+        prop = method.propose(RoundState(new_features, new_positions, anchor, L, output, context), B, temperature,
+                              generator)
         drafts = prop.tokens.to(device)
         _sync(device)
         t1 = time.perf_counter()
-        ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, B)
-        positions = torch.arange(L, L + B, device=device)[None]
-        logits, feats = target_forward(model, ids, positions, cache, method.layer_ids)  # (B, V), (B, n*Ht)
+        ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, 1 + drafts)
+        positions = torch.arange(L, L + ids.shape[1], device=device)[None]
+        logits, feats = target_forward(model, ids, positions, cache, method.layer_ids)  # (1+d, V), (1+d, n*Ht)
         res.target_forwards += 1
         if temperature <= 0:
             n, next_anchor = _accept_greedy(drafts, logits)
@@ -287,6 +318,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         _sync(device)
         t2 = time.perf_counter()
         res.accepted.append(n)
+        res.verified.append(len(drafts))
         res.draft_s.append(t1 - t0)
         res.select_s.append(prop.select_s)
         res.scorings.append(prop.scorings)

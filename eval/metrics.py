@@ -89,6 +89,15 @@ def oracle_acceptance(top: torch.Tensor, labels: torch.Tensor, valid: torch.Tens
     return out
 
 
+def _contexts(input_ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+    """(N, CONTEXT) the tokens ending at each anchor, -1 before the sequence start (what RoundState.context holds
+    online)."""
+    from dflash_pipeline.eval.decode import CONTEXT
+
+    pos = anchor_pos[:, None] + torch.arange(1 - CONTEXT, 1, device=anchor_pos.device)
+    return torch.where(pos >= 0, input_ids.long()[pos.clamp(min=0)], -1)
+
+
 @torch.no_grad()
 def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, ks: list[int],
                     chunk: int = 64, progress: Progress | None = None, methods: dict | None = None) -> dict:
@@ -115,13 +124,14 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
                                         b["anchor_valid"])  # (1, Nb, B, H)
         keep = b["anchor_valid"]
         h = hidden[keep]  # (N, B, H)
-        for part, ids in zip(h.split(chunk), b["block_ids"][keep][:, 0].split(chunk)):
+        context = _contexts(it["input_ids"].to(device), b["anchor_pos"][keep])
+        for part, ids, ctx in zip(h.split(chunk), b["block_ids"][keep][:, 0].split(chunk), context.split(chunk)):
             logits = drafter.logits(part[:, 1:]).float()  # (n, B-1, V or Vd)
             top = logits.topk(kmax, dim=-1)
             tops.append(top.indices)
             for name, m in methods.items():
                 chosen, work = m.path(drafter.to_target_ids(top.indices[..., :m.top_k]), top.values[..., :m.top_k],
-                                      part, ids)
+                                      part, ids, ctx)
                 paths[name].append(chosen)
                 scorings[name] += work * len(ids)
         labels.append(b["labels"][keep])

@@ -52,7 +52,7 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
     for method_name, entry in methods.items():
         if entry.also_needs:  # uses another component's export too: covered by the tiny pipeline test
             continue
-        method = entry.make(drafter, {} if name == "drafter" else {name: export})
+        method = catalogue.make_method(method_name, drafter, {} if name == "drafter" else {name: export})
         ids = torch.randint(0, drafter.config.vocab_size, (3, drafter.config.block_size - 1, method.top_k))
         hidden = torch.randn(3, drafter.config.block_size, drafter.config.hidden_size)
         tokens, _ = method.path(ids, torch.randn(ids.shape), hidden, torch.tensor([1, 2, 3]))

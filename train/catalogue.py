@@ -29,8 +29,9 @@ COMPONENTS = {
 
 @dataclass(frozen=True)
 class EvalMethod:
-    """make(drafter, exports) -> the method, exports mapping each component it uses to its trained export folder:
-    the component that brings it (unless that is the drafter) and `also_needs`."""
+    """make(drafter, exports, policy) -> the method, exports mapping each component it uses to its trained export
+    folder (the component that brings it, unless that is the drafter, and `also_needs`), policy the eval.policy
+    settings (conf/schema.py PolicyConfig)."""
 
     make: Callable
     also_needs: tuple[str, ...] = ()
@@ -63,8 +64,15 @@ def method_components(name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(("drafter", owner, *entry.also_needs)))
 
 
-def make_method(name: str, drafter, exports: dict[str, Path] | None = None):
-    """An eval method of the catalogue on `drafter`, with the export folders of the components it uses."""
+def make_method(name: str, drafter, exports: dict[str, Path] | None = None, policy=None):
+    """An eval method of the catalogue on `drafter`, with the export folders of the components it uses and the
+    eval.policy settings (default: PolicyConfig's defaults)."""
     if name not in methods():
         raise KeyError(f"unknown eval method {name!r}; available: {', '.join(sorted(methods()))}")
-    return methods()[name][1].make(drafter, exports or {})
+    if policy is None:
+        from omegaconf import OmegaConf
+
+        from dflash_pipeline.conf.schema import PolicyConfig
+
+        policy = OmegaConf.structured(PolicyConfig)
+    return methods()[name][1].make(drafter, exports or {}, policy)

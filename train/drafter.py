@@ -246,4 +246,4 @@ CONFIG = None
 SECTIONS = ("drafter", "trainer")
 INPUTS = ("teacher",)
 COMPONENT = DrafterComponent
-METHODS = {"chain": EvalMethod(lambda drafter, exports: ChainMethod(drafter))}
+METHODS = {"chain": EvalMethod(lambda drafter, exports, policy: ChainMethod(drafter))}

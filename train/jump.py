@@ -114,7 +114,7 @@ class JumpMethod(ChainMethod):
         if temperature > 0:
             raise ValueError("the jump methods decode greedily only: evaluate them with eval.temperature=0")
 
-    def path(self, cand_ids, cand_logits, hidden, anchors):
+    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
         self.check(hidden.shape[1], 0.0)
         transition = None if self.selector is None else self.selector.transition
         ids, work = guided_path(cand_ids, cand_logits, hidden.float(), anchors, self.heads, self.margin, self.weight,
@@ -145,9 +145,9 @@ SECTIONS = ("jump",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = JumpComponent
 METHODS = {
-    "jump": EvalMethod(lambda drafter, exports: load_jump(exports["jump"], drafter)),
+    "jump": EvalMethod(lambda drafter, exports, policy: load_jump(exports["jump"], drafter)),
     # gaps filled by the trained selector's walk from both neighbours instead of the argmax
-    "jump_selector": EvalMethod(lambda drafter, exports: load_jump(
+    "jump_selector": EvalMethod(lambda drafter, exports, policy: load_jump(
         exports["jump"], drafter, load_selector(exports["selector"], drafter.norm.weight.device)),
         also_needs=("selector",)),
 }

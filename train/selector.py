@@ -100,7 +100,7 @@ class SelectorMethod(ChainMethod):
         self.selector, self.how = selector, how
         self.name, self.top_k = f"selector_{how}", selector.top_k
 
-    def path(self, cand_ids, cand_logits, hidden, anchors):
+    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
         walk = self.selector.greedy_walk if self.how == "greedy" else self.selector.viterbi
         tokens = walk(cand_ids, cand_logits, hidden[:, 1:].float(), anchors)
         return tokens, scorings_per_round(self.how, cand_ids.shape[1], cand_ids.shape[-1])
@@ -114,7 +114,7 @@ class SelectorMethod(ChainMethod):
 
 
 def _method(how: str) -> EvalMethod:
-    return EvalMethod(lambda drafter, exports: SelectorMethod(
+    return EvalMethod(lambda drafter, exports, policy: SelectorMethod(
         drafter, load_selector(exports["selector"], drafter.norm.weight.device), how))
 
 
