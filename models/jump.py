@@ -39,6 +39,15 @@ def default_offsets(block_size: int, every: int = 4) -> list[int]:
     return offsets
 
 
+def check_offsets(offsets: list[int], block_size: int) -> list[int]:
+    """The offsets as ints, or ValueError unless they are strictly increasing drafted positions 1 .. B-1."""
+    offsets = [int(o) for o in offsets]
+    if not offsets or any(b <= a for a, b in zip(offsets, offsets[1:])) or not 1 <= offsets[0] \
+            or offsets[-1] >= block_size:
+        raise ValueError(f"offsets {offsets} must be strictly increasing block positions in 1 .. {block_size - 1}")
+    return offsets
+
+
 class JumpHeads(nn.Module):
     """One low-rank head per offset o_j: q_j = tanh(W h_{o_j - 1} + e_j), residual(c) = <q_j, C[c]> / sqrt(r).
 
@@ -53,10 +62,7 @@ class JumpHeads(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, block_size: int, offsets: list[int], rank: int = 64):
         super().__init__()
-        offsets = [int(o) for o in offsets]
-        if not offsets or any(b <= a for a, b in zip(offsets, offsets[1:])) or not 1 <= offsets[0] \
-                or offsets[-1] >= block_size:
-            raise ValueError(f"offsets {offsets} must be strictly increasing block positions in 1 .. {block_size - 1}")
+        offsets = check_offsets(offsets, block_size)
         self.vocab_size, self.hidden_size, self.block_size, self.rank = vocab_size, hidden_size, block_size, rank
         self.offsets = offsets
         self.register_buffer("offset_positions", torch.tensor(offsets), persistent=False)  # (J,) for indexing
@@ -137,16 +143,39 @@ def guided_path(cand_ids: torch.Tensor, U: torch.Tensor, hidden: torch.Tensor, a
     at = heads.offset_positions - 1
     fixed = torch.zeros(N, P, dtype=torch.bool, device=cand_ids.device)
     fixed[:, at] = keep
-    fixed_idx = torch.zeros(N, P, dtype=torch.long, device=cand_ids.device)
-    fixed_idx[:, at] = choice
-    work = torch.full((N,), heads.num_offsets * K, dtype=torch.long, device=cand_ids.device)
+    fixed_ids = torch.zeros(N, P, dtype=torch.long, device=cand_ids.device)
+    fixed_ids[:, at] = cand_ids[:, at].gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    ids, work = fill_gaps(cand_ids, U, hidden, anchor_ids, fixed, fixed_ids, transition)
+    return ids, work + heads.num_offsets * K
 
+
+@torch.no_grad()
+def fill_gaps(cand_ids: torch.Tensor, U: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+              fixed: torch.Tensor, fixed_ids: torch.Tensor,
+              transition: Transition | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gap fill of `guided_path` around tokens fixed by anyone (the fused heads, the separate head of
+    models/jump_head.py): fixed (N, P) bool, fixed_ids (N, P) target ids, read where fixed; other arguments as
+    guided_path. Fixed positions keep their token; the others take the argmax of U (transition=None) or the pinned
+    Viterbi. A fixed token outside the position's top-K takes the place of its last candidate: a fixed position
+    has one state, so its other candidates are never used, and its U is the same on every path.
+
+    Returns ids (N, P) target ids and work (N,) long: the gap fill's candidate scorings only (K per free position,
+    or the scored transitions; see guided_path)."""
+    N, P, K = cand_ids.shape
+    if hidden.shape[1] != P + 1:
+        raise ValueError(f"hidden must be the full block (N, {P + 1}, H), got {tuple(hidden.shape)}")
+    fixed = fixed.bool()
     if transition is None:
-        idx = torch.where(fixed, fixed_idx, U.argmax(-1))
-        work += K * (~fixed).sum(-1)
-    else:
-        idx, gap_work = _pinned_viterbi(cand_ids, U.float(), hidden, anchor_ids, fixed, fixed_idx, transition)
-        work += gap_work
+        free = cand_ids.gather(-1, U.argmax(-1, keepdim=True)).squeeze(-1)
+        return torch.where(fixed, fixed_ids, free), K * (~fixed).sum(-1)
+    match = fixed.unsqueeze(-1) & (cand_ids == fixed_ids.unsqueeze(-1))  # (N, P, K)
+    outside = fixed & ~match.any(-1)
+    if outside.any():
+        cand_ids = cand_ids.clone()
+        cand_ids[..., -1] = torch.where(outside, fixed_ids, cand_ids[..., -1])
+        match[..., -1] |= outside
+    fixed_idx = match.int().argmax(-1)  # the first matching candidate
+    idx, work = _pinned_viterbi(cand_ids, U.float(), hidden, anchor_ids, fixed, fixed_idx, transition)
     return cand_ids.gather(-1, idx.unsqueeze(-1)).squeeze(-1), work
 
 

@@ -24,6 +24,7 @@ COMPONENTS = {
     "drafter": "dflash_pipeline.train.drafter",
     "selector": "dflash_pipeline.train.selector",
     "jump": "dflash_pipeline.train.jump",
+    "jump_head": "dflash_pipeline.train.jump_head",
 }
 
 

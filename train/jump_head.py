@@ -1,0 +1,158 @@
+"""DFlash4 separate jump head as a component: trained on a frozen drafter, a small network with its own forward pass
+(one transformer layer over the drafter's block, projected through the drafter's LM head) predicts the tokens at
+sparse block offsets; the confident ones are fixed and the gaps filled as for the fused heads of train/jump.py
+(models/jump_head.py). Its cost is measured, not assumed: the head runs inside the method's selection time.
+
+Stage: train/jump_head/ in the run folder. Export: the drafter's export plus `jump_head.*` (models/jump_head.py:
+SeparateJumpHead's state_dict) and `jump_head_offsets`, `jump_head_margin`, `jump_head_num_heads`,
+`jump_head_intermediate_size`, `jump_head_top_k` in `dflash_config`. Eval methods (greedy decoding only; they need the
+trained block size): jump_head (gaps take the drafter's argmax) and jump_head_selector (gaps are the trained
+selector's best path between their fixed neighbours).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_pipeline.conf.schema import ranged
+from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.metrics import offline_metrics
+from dflash_pipeline.models.jump import default_offsets
+from dflash_pipeline.models.jump_head import SeparateJumpHead, head_path, jump_head_loss
+from dflash_pipeline.models.selector import PairSelector
+from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.train.errors import TrainError
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
+from dflash_pipeline.train.selector import load_selector
+
+PREFIX = "jump_head."
+
+
+@dataclass
+class JumpHeadConfig(FrozenComponentConfig):
+    """conf/jump_head/: the separate jump head."""
+
+    every: int = ranged(4, ge=1)  # offsets at block positions every, 2*every, ... (the anchor is position 0)
+    margin: float = 0.0  # fix an offset when the head's top-1 minus top-2 logit is at least this
+    num_heads: int = ranged(4, ge=1)  # attention heads of the head's layer (must divide the drafter's hidden size)
+    intermediate_size: Optional[int] = ranged(None, ge=1)  # its SwiGLU width; None: 2 x the drafter's hidden size
+    top_k: int = ranged(16, ge=2)  # the drafter's candidates per position, for the gap fill and the selector
+
+
+class JumpHeadComponent(FrozenDrafterComponent):
+    name = section = "jump_head"
+
+    def __init__(self, cfg, inputs, device):
+        super().__init__(cfg, inputs, device)
+        c, o = self.drafter.config, self.own
+        if c.hidden_size % o.num_heads:
+            raise TrainError(f"jump_head.num_heads={o.num_heads} must divide the drafter's hidden size "
+                             f"{c.hidden_size}")
+        self.offsets = default_offsets(self.block_size, o.every)
+        self.at = torch.tensor(self.offsets, device=device) - 1  # index of block position o_j among positions 1..B-1
+        self.to_column = self.drafter.target_to_column()
+        self.model = SeparateJumpHead(c.hidden_size, self.block_size, self.offsets, o.num_heads,
+                                      o.intermediate_size, c.rms_norm_eps).to(device)
+
+    def _scored(self, batch: dict) -> torch.Tensor:
+        at = self.at
+        return batch["valid"][:, at] & (self.to_column[batch["labels"][:, at]] >= 0)
+
+    def normaliser(self, batch: dict) -> float:
+        return float((self._scored(batch) * self.position_weights[self.at]).sum())
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        at, b = self.at, batch
+        weights = self.position_weights[at].expand(b["labels"].shape[0], -1)
+        return jump_head_loss(model, self.drafter, b["hidden"], b["labels"][:, at], b["valid"][:, at], weights,
+                              marginal_ids=b["cand_ids"][:, at, 0])
+
+    def train_metrics(self, stats: list[dict]) -> dict:
+        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        seen = total["scored"] + total["skipped"]
+        return {"vocab_coverage": total["scored"] / max(1.0, seen),
+                "head_acc": total["correct"] / max(1.0, total["scored"]),
+                "marginal_acc": total["correct_marginal"] / max(1.0, total["scored"])}
+
+    def evaluate(self, model) -> dict:
+        head = getattr(model, "module", model)
+        was_training = head.training
+        head.eval()
+        method = JumpHeadMethod(self.drafter, head, self.own.margin, self.own.top_k)
+        m = offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
+                            methods={"jump_head": method})
+        head.train(was_training)
+        return {"a_k": m["methods"]["jump_head"]["a_k"], "tau_offline": m["methods"]["jump_head"]["tau_offline"],
+                "chain_tau_offline": m["tau_offline"], "oracle_tau": m["oracle_tau"][str(self.own.top_k)]}
+
+    def export(self, model, folder: Path) -> Path:
+        head = getattr(model, "module", model)
+        return self.export_with_drafter(
+            folder, {PREFIX + k: v for k, v in head.state_dict().items()},
+            {"jump_head_offsets": head.offsets, "jump_head_margin": self.own.margin,
+             "jump_head_num_heads": head.num_heads, "jump_head_intermediate_size": head.intermediate_size,
+             "jump_head_top_k": self.own.top_k},
+            {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
+
+
+class JumpHeadMethod(ChainMethod):
+    """Drafts guided by the separate head: confident offsets fixed at its argmax, the gaps filled as for `jump`."""
+
+    def __init__(self, drafter, head: SeparateJumpHead, margin: float, top_k: int = 16,
+                 selector: PairSelector | None = None):
+        super().__init__(drafter)
+        self.head, self.margin, self.top_k, self.selector = head, margin, top_k, selector
+        self.name = "jump_head" if selector is None else "jump_head_selector"
+        if selector is not None and selector.top_k != top_k:
+            raise ValueError(f"jump_head_selector needs the same candidates: selector.top_k={selector.top_k}, "
+                             f"jump_head.top_k={top_k}")
+
+    def check(self, block_size: int, temperature: float) -> None:
+        if block_size != self.head.block_size:
+            raise ValueError(f"the jump head was trained for block {self.head.block_size}; evaluate it at "
+                             f"eval.block_size={self.head.block_size}")
+        if temperature > 0:
+            raise ValueError("the jump_head methods decode greedily only: evaluate them with eval.temperature=0")
+
+    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
+        self.check(hidden.shape[1], 0.0)
+        transition = None if self.selector is None else self.selector.transition
+        ids, work = head_path(cand_ids, cand_logits, hidden.float(), anchors, self.head, self.drafter, self.margin,
+                              transition)
+        return ids, float(work.float().mean())
+
+    def sample_path(self, logits, hidden, anchor, temperature, generator):
+        self.check(hidden.shape[1], temperature)
+
+
+def load_jump_head(folder: Path, drafter, selector: PairSelector | None = None) -> JumpHeadMethod:
+    """The jump_head method of an export written by JumpHeadComponent.export (safetensors + config.json only); with a
+    selector, the gaps between fixed tokens are its best path from both neighbours."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    dc = config["dflash_config"]
+    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
+               if k.startswith(PREFIX)}
+    head = SeparateJumpHead(config["hidden_size"], config["block_size"], dc["jump_head_offsets"],
+                            dc["jump_head_num_heads"], dc["jump_head_intermediate_size"], config["rms_norm_eps"])
+    head.load_state_dict(tensors, strict=True)
+    head.to(drafter.norm.weight.device).eval()
+    return JumpHeadMethod(drafter, head, dc["jump_head_margin"], dc["jump_head_top_k"], selector)
+
+
+# The catalogue entry (train/catalogue.py).
+CONFIG = JumpHeadConfig
+SECTIONS = ("jump_head",)
+INPUTS = ("teacher", "drafter")
+COMPONENT = JumpHeadComponent
+METHODS = {
+    "jump_head": EvalMethod(lambda drafter, exports, policy: load_jump_head(exports["jump_head"], drafter)),
+    # gaps filled by the trained selector's walk from both neighbours instead of the argmax
+    "jump_head_selector": EvalMethod(lambda drafter, exports, policy: load_jump_head(
+        exports["jump_head"], drafter, load_selector(exports["selector"], drafter.norm.weight.device)),
+        also_needs=("selector",)),
+}
