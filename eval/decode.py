@@ -129,6 +129,7 @@ class Proposal:
     q: torch.Tensor | None = None  # (B-1, V) the distributions the tokens were sampled from (sampling only)
     select_s: float = 0.0  # time spent choosing among the candidates (after the drafter's forward)
     scorings: int = 0  # candidate scorings the choice took
+    drafted: bool = True  # False: the method skipped the drafter this round (no drafts; a plain target step)
 
 
 def candidates(drafter: DFlashDrafter, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +231,7 @@ class SpecResult:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verify round, 0 .. B-1 (before truncation)
     verified: list[int] = field(default_factory=list)  # drafts verified per round (B-1 unless the method verifies fewer)
+    drafted: list[bool] = field(default_factory=list)  # per round: whether the drafter ran
     draft_s: list[float] = field(default_factory=list)  # per round: propose (drafter forward + selection)
     select_s: list[float] = field(default_factory=list)  # per round: the selection part of propose
     scorings: list[int] = field(default_factory=list)  # per round: candidate scorings of the selection
@@ -319,6 +321,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         t2 = time.perf_counter()
         res.accepted.append(n)
         res.verified.append(len(drafts))
+        res.drafted.append(prop.drafted)
         res.draft_s.append(t1 - t0)
         res.select_s.append(prop.select_s)
         res.scorings.append(prop.scorings)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipeline.data.blocks import pack_blocks
+from dflash_pipeline.eval.decode import CONTEXT, NOT_VERIFIED
 
 if TYPE_CHECKING:
     from dflash_pipeline.conf.progress import Progress
@@ -92,8 +93,6 @@ def oracle_acceptance(top: torch.Tensor, labels: torch.Tensor, valid: torch.Tens
 def _contexts(input_ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
     """(N, CONTEXT) the tokens ending at each anchor, -1 before the sequence start (what RoundState.context holds
     online)."""
-    from dflash_pipeline.eval.decode import CONTEXT
-
     pos = anchor_pos[:, None] + torch.arange(1 - CONTEXT, 1, device=anchor_pos.device)
     return torch.where(pos >= 0, input_ids.long()[pos.clamp(min=0)], -1)
 
@@ -103,7 +102,8 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
                     chunk: int = 64, progress: Progress | None = None, methods: dict | None = None) -> dict:
     """Teacher-forced a_k, Recall@K, oracle tau@K and tau_offline over every anchor of `items` (input_ids,
     loss_mask, features): the drafter's own argmax path, and under "methods" the path each eval method would propose
-    from the same drafter outputs (`methods`: {name: method with top_k and path(), eval/decode.py}).
+    from the same drafter outputs (`methods`: {name: method with top_k and path(), eval/decode.py}), with the
+    histogram of drafts it would verify per block (verified_hist[v]: blocks verifying v drafts).
 
     Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
     progress: counts one per item.
@@ -146,9 +146,12 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
     oracle = oracle_acceptance(top, label, valid, [k for k in oracle_ks if k <= kmax])
     per_method = {}
     for name, chunks in paths.items():
-        m_a, _ = conditional_acceptance(torch.cat(chunks) == target_labels, valid)
+        chosen = torch.cat(chunks)
+        m_a, _ = conditional_acceptance(chosen == target_labels, valid)
+        verified = (chosen != NOT_VERIFIED).long().cumprod(-1).sum(-1)  # drafts before the first NOT_VERIFIED
         per_method[name] = {"a_k": m_a, "tau_offline": simulated_tau(m_a),
-                            "scorings_per_block": scorings[name] / max(1, top.shape[0])}
+                            "scorings_per_block": scorings[name] / max(1, top.shape[0]),
+                            "verified_hist": torch.bincount(verified, minlength=chosen.shape[1] + 1).tolist()}
     return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
             "recall": {str(k): v for k, v in rec.items()},
             "oracle_tau": {str(k): simulated_tau(v) for k, v in oracle.items()},

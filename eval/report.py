@@ -22,19 +22,29 @@ def markdown(results: dict) -> str:
         f"{results['timing']['device']} ({results['timing']['num_threads']} threads): {results['timing']['protocol']}.",
         "",
         "| method | dataset | prompts | tokens | tau offline | tau online | oracle tau | a_1 off / on | fwd/token | "
-        "draft ms/round | select ms/round (share) | scorings/round | verify ms/round | AR tok/s | spec tok/s | "
-        "speedup | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "drafts verified/round | draft ms/round | select ms/round (share) | scorings/round | verify ms/round | "
+        "AR tok/s | spec tok/s | speedup (predicted) | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, per in results["methods"].items():
         for ds, r in per.items():
             lines.append(
                 f"| {m} | {ds} | {r['prompts']} | {r['output_tokens']} | {_f(r['tau_offline'])} | "
                 f"{_f(r['tau_online'])} | {_f(r.get('oracle_tau'))} | {_f(r['a_k_offline'][0])} / "
-                f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | {_f(r['draft_ms_per_round'], 2)} | "
+                f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | "
+                f"{_f(r.get('verified_per_round'), 2)} | {_f(r['draft_ms_per_round'], 2)} | "
                 f"{_f(r['select_ms_per_round'], 2)} ({100 * r['select_fraction']:.1f}%) | "
                 f"{_f(r['scorings_per_round'], 0)} | {_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
-                f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x | {r['exact']} |")
+                f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x ({_f(r.get('predicted_speedup'), 2)}x) | "
+                f"{r['exact']} |")
+    costs = results.get("costs")
+    if costs:
+        curve = ", ".join(f"{n}: {c:.2f}" for n, c in enumerate(costs["verify_cost"], 1))
+        lines += ["", f"Verify cost c(n) / c(1) on this target, measured at the start of this run: {curve}; the "
+                  f"drafter's block forward {costs['draft_cost']:.2f}; one target step {costs['step_ms']:.1f} ms. "
+                  "Predicted speedup = tokens / sum over rounds of (c(drafts verified + 1) + draft cost)."]
+    for m, chosen in (results.get("policies") or {}).items():
+        lines.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
     held = results["offline"].get("teacher_heldout")
     lines += ["", "## Offline (teacher-forced) on the held-out teacher sequences", ""]
     if held:

@@ -34,6 +34,7 @@ from dflash_pipeline.data.teacher import chat_segments
 from dflash_pipeline.eval import report
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, offline_metrics
+from dflash_pipeline.eval.policies import EvalContext, measure_costs
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target, load_target
@@ -44,6 +45,7 @@ from dflash_pipeline.train.logger import RunLogger
 log = logging.getLogger(__name__)
 
 RESULTS = "eval_results.json"
+COST_CONTEXT = 256  # tokens of context under which the verify-cost curve is measured
 BUILTIN = {  # benchmark sets are used whole; the ShareGPT train/held-out split applies only to "heldout"
     "mtbench": {"source": "mtbench", "split": "all"},
     "humaneval": {"source": "humaneval", "split": "all"},
@@ -163,10 +165,12 @@ def _median(xs: list[float]) -> float:
 
 
 def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
-               temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True) -> dict:
+               temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True,
+               costs: EvalContext | None = None) -> dict:
     """Speculative vs autoregressive decoding of `prompts` (A B B A per prompt per repeat, after one warm-up).
 
     Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
+    With `costs` (the measured verify-cost curve), also the speedup that curve predicts for the rounds run.
     """
     device = next(target.model.parameters()).device
 
@@ -192,7 +196,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     ar(0, "warmup"), spec(0, "warmup")
     ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
     draft_s, verify_s, select_s, scorings, prefill_s, accepted, mismatches = [], [], [], [], [], [], []
-    ar_outputs, out_tokens, forwards = [], 0, 0
+    ar_outputs, out_tokens, forwards, verified, drafted = [], 0, 0, [], []
     for i, p in enumerate(prompts):
         for r in range(repeats):
             a1, t_a1 = ar(i, 2 * r)
@@ -212,6 +216,8 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
             if r == 0:
                 ar_outputs.append(a1)
                 accepted += s1.accepted
+                verified += s1.verified
+                drafted += s1.drafted
                 out_tokens += len(s1.tokens)
                 forwards += s1.target_forwards
             if temperature <= 0:
@@ -239,6 +245,8 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "select_ms_per_round": 1e3 * _median(select_s),  # choosing among the candidates, part of draft ms
         "select_fraction": sum(select_s) / (total_draft + total_verify) if draft_s else 0.0,
         "scorings_per_round": sum(scorings) / len(scorings) if scorings else 0.0,
+        "verified_per_round": sum(verified) / len(verified) if verified else 0.0,  # drafts verified
+        "drafted_fraction": sum(drafted) / len(drafted) if drafted else 0.0,  # rounds that ran the drafter
         "ms_per_token_ar": ms_ar,
         "ms_per_token_spec": ms_spec,
         "tokens_per_s_ar": 1e3 / ms_ar if ms_ar else 0.0,
@@ -249,6 +257,9 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "mismatches": mismatches,
         "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
     }
+    if costs is not None and accepted:  # tokens over the rounds' cost in 1-token target steps
+        spent = sum(costs.round_cost(v, d) for v, d in zip(verified, drafted))
+        res["predicted_speedup"] = (sum(accepted) + len(accepted)) / spent
     log.info("%s %s: tau_online %.3f a_k %s speedup %.2fx (AR %.1f tok/s, spec %.1f tok/s), exact %s", method.name,
              label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
              res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
@@ -319,6 +330,20 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
     return methods
 
 
+def eval_context(cfg: DictConfig, target: Target, drafter: DFlashDrafter, block_size: int, heldout: list[dict],
+                 prompt_sets: dict[str, list[dict]]) -> EvalContext:
+    """What the decoding policies calibrate on (eval/policies.py): the verify-cost curve measured now, and held-out
+    teacher sequences that are none of the eval prompts."""
+    used = {p["id"] for prompts in prompt_sets.values() for p in prompts}
+    calibration = [it for it in heldout if it.get("id") not in used][: cfg.eval.policy.calibration_sequences]
+    first = next(iter(prompt_sets.values()))[0]["prompt_ids"]
+    context = calibration[0]["input_ids"][:COST_CONTEXT].tolist() if calibration else first[-COST_CONTEXT:]
+    costs = measure_costs(target, drafter, context, block_size)
+    log.info("verify cost c(n) / c(1), n = 1..%d: %s; draft %.2f; 1-token step %.1f ms", block_size,
+             [round(c, 2) for c in costs["verify_cost"]], costs["draft_cost"], costs["step_ms"])
+    return EvalContext(costs["verify_cost"], costs["draft_cost"], costs["step_ms"] / 1e3, block_size, calibration)
+
+
 def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, labels: list[str],
               component_dirs: dict[str, Path]) -> dict:
     e = cfg.eval
@@ -339,6 +364,11 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             raise EvalError(f"eval method {name}: {err}") from err
     room = target.model.config.max_position_embeddings - e.max_new_tokens - B
     ks = sorted(set(e.recall_k))
+    prompt_sets = {}
+    for name, label in zip(e.datasets, labels):
+        prompt_sets[label] = load_prompts(name, cfg, target.tokenizer, room)
+        if not prompt_sets[label]:
+            raise EvalError(f"eval dataset {name!r} gave no prompt that fits the target's context")
 
     results = {
         "config_hash": digest,
@@ -367,16 +397,22 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     else:
         log.warning("no offline metrics on held-out teacher data: %s", note)
     results["offline_note"] = note
+    ctx = eval_context(cfg, target, drafter, B, items or [], prompt_sets)
+    results["costs"] = {"verify_cost": ctx.verify_cost, "draft_cost": ctx.draft_cost, "step_ms": ctx.step_s * 1e3,
+                        "calibration_sequences": len(ctx.calibration)}
+    results["policies"] = {}
+    for m, method in methods.items():
+        chosen = method.prepare(ctx)
+        if chosen:
+            results["policies"][m] = chosen
+            log.info("%s: %s", m, chosen)
 
-    for name, label in zip(e.datasets, labels):
-        prompts = load_prompts(name, cfg, target.tokenizer, room)
-        if not prompts:
-            raise EvalError(f"eval dataset {name!r} gave no prompt that fits the target's context")
+    for label, prompts in prompt_sets.items():
         offline = None
         for m, method in methods.items():
             online = run_online(target, method, prompts, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
                                 temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats,
-                                strict=e.strict_exact)
+                                strict=e.strict_exact, costs=ctx)
             ar_outputs = online.pop("ar_outputs")
             if offline is None:  # the drafter's teacher-forced metrics on these prompts' target replies
                 seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, ar_outputs)]

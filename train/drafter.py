@@ -16,6 +16,7 @@ from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
+from dflash_pipeline.eval import policies
 from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
@@ -246,4 +247,11 @@ CONFIG = None
 SECTIONS = ("drafter", "trainer")
 INPUTS = ("teacher",)
 COMPONENT = DrafterComponent
-METHODS = {"chain": EvalMethod(lambda drafter, exports, policy: ChainMethod(drafter))}
+METHODS = {
+    "chain": EvalMethod(lambda drafter, exports, policy: ChainMethod(drafter)),
+    # decoding policies on the drafter alone (eval/policies.py)
+    "boltzmann": EvalMethod(lambda drafter, exports, policy: policies.BoltzmannMethod(drafter, policy)),
+    "act": EvalMethod(lambda drafter, exports, policy: policies.ActMethod(drafter, policy)),
+    "adaptive": EvalMethod(lambda drafter, exports, policy: policies.AdaptiveMethod(drafter, policy)),
+}
+

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import offline_metrics
+from dflash_pipeline.eval.policies import MiddleOutMethod
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.train.catalogue import EvalMethod
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
@@ -118,9 +119,20 @@ def _method(how: str) -> EvalMethod:
         drafter, load_selector(exports["selector"], drafter.norm.weight.device), how))
 
 
+def _middle_out(boltzmann: bool) -> EvalMethod:
+    return EvalMethod(lambda drafter, exports, policy: MiddleOutMethod(
+        drafter, load_selector(exports["selector"], drafter.norm.weight.device), policy, boltzmann))
+
+
 # The catalogue entry (train/catalogue.py).
 CONFIG = SelectorConfig
 SECTIONS = ("selector",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = SelectorComponent
-METHODS = {"selector_greedy": _method("greedy"), "selector_viterbi": _method("viterbi")}
+METHODS = {
+    "selector_greedy": _method("greedy"),
+    "selector_viterbi": _method("viterbi"),
+    # middle-out selection (eval/policies.py): from the centre outwards; bmobs picks the centre by Boltzmann
+    "mobs": _middle_out(boltzmann=False),
+    "bmobs": _middle_out(boltzmann=True),
+}
