@@ -43,13 +43,16 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
     """teacher -> drafter -> every component of pipeline.components -> eval of every method, each exact; a rerun
     skips everything; a changed selector setting retrains the selector and reruns the eval, nothing else."""
     cfg = make_config()
-    assert {str(c) for c in cfg.pipeline.components} == {"selector", "jump"}
+    assert {str(c) for c in cfg.pipeline.components} == {"selector", "jump", "jump_head"}
     out = run_stages(cfg, tmp_path, ["teacher", "components", "eval"])
     assert (out["teacher"] / "manifest.json").is_file()
-    for stage in ("train", "train/selector", "train/jump"):
+    for stage in ("train", "train/selector", "train/jump", "train/jump_head"):
         assert (out[stage] / "export" / "config.json").is_file()
     results = json.loads((out["eval"] / "eval_results.json").read_text())
-    assert set(results["methods"]) == {"chain", "selector_greedy", "selector_viterbi", "jump", "jump_selector"}
+    assert set(results["methods"]) == {"chain", "selector_greedy", "selector_viterbi", "jump", "jump_selector",
+                                       "jump_head", "jump_head_selector", "mobs", "bmobs", "boltzmann", "act",
+                                       "adaptive"}
+    assert {"boltzmann", "act", "adaptive", "bmobs"} <= set(results["policies"]) and results["costs"]["verify_cost"]
     for method, per in results["methods"].items():
         for ds, r in per.items():
             assert r["exact"] is True and r["mismatches"] == [], (method, ds)
