@@ -313,9 +313,11 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_
     return out
 
 
-def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, component_dirs: dict[str, Path]) -> dict:
-    """{name: method} for eval.methods, each on the drafter with its component's trained export."""
-    methods = {}
+def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, component_dirs: dict[str, Path],
+                 drafter_dir: Path | None = None) -> dict:
+    """{name: method} for eval.methods, each on the drafter with its component's trained export (refused when that
+    export was trained on another drafter than the one of `drafter_dir`)."""
+    methods, checked = {}, set()
     for name in cfg.eval.methods:
         exports = {}
         for component in catalogue.method_components(name)[1:]:
@@ -323,6 +325,13 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
             if not (exports[component] / "config.json").is_file():
                 raise EvalError(f"eval method {name} needs the trained {component} at {exports[component]}: run "
                                 f"dflash-train trainer.component={component} (or add it to pipeline.components)")
+            if drafter_dir is not None and component not in checked:
+                differs = drafter_difference(exports[component], drafter_dir)
+                if differs:
+                    raise EvalError(f"eval method {name}: the {component} at {exports[component]} was trained on "
+                                    f"another drafter than {drafter_dir} ({differs}); retrain it on this drafter or "
+                                    f"set eval.drafter_dir to the drafter it was trained on")
+                checked.add(component)
         try:
             methods[name] = catalogue.make_method(name, drafter, exports)
         except ValueError as err:  # exports that do not fit together
@@ -344,6 +353,21 @@ def eval_context(cfg: DictConfig, target: Target, drafter: DFlashDrafter, block_
     return EvalContext(costs["verify_cost"], costs["draft_cost"], costs["step_ms"] / 1e3, block_size, calibration)
 
 
+def drafter_difference(export: Path, drafter_dir: Path) -> str | None:
+    """How a component's export differs from the drafter it should carry unchanged (None: it carries it)."""
+    from safetensors import safe_open
+
+    with safe_open(str(drafter_dir / "model.safetensors"), "pt") as base, \
+            safe_open(str(export / "model.safetensors"), "pt") as comp:
+        own = set(comp.keys())
+        for key in base.keys():
+            if key not in own:
+                return f"no tensor {key}"
+            if not torch.equal(base.get_tensor(key), comp.get_tensor(key)):
+                return f"tensor {key} differs"
+    return None
+
+
 def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, labels: list[str],
               component_dirs: dict[str, Path]) -> dict:
     e = cfg.eval
@@ -356,7 +380,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     if not 2 <= B <= trained_B:
         raise EvalError(f"eval.block_size={B} must be in 2 .. {trained_B} (the trained block size)")
     layer_ids = list(drafter.config.target_layer_ids)
-    methods = load_methods(cfg, drafter, train_dir, component_dirs)
+    methods = load_methods(cfg, drafter, train_dir, component_dirs, drafter_dir)
     for name, method in methods.items():
         try:
             method.check(B, e.temperature)

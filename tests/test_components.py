@@ -3,6 +3,8 @@ exports, and its export reloads into the eval methods it brings; plus the select
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -82,3 +84,35 @@ def test_selector_sampling_keeps_the_target_distribution():
     hist = torch.bincount(torch.tensor(accepted), minlength=3).tolist()
     assert min(hist) > 0.05 * len(accepted), f"rejections and acceptances must both occur: {hist}"
     assert chi_square_p(counts, joint * N) > 1e-3
+
+
+def test_eval_refuses_a_component_trained_on_another_drafter(tmp_path):
+    """A component's export carries its drafter's tensors unchanged; the eval compares them with the drafter it
+    evaluates, so a selector trained on yesterday's drafter is refused instead of scored on today's."""
+    from safetensors.torch import save_file
+
+    from dflash_pipeline.eval.stage import drafter_difference
+
+    fixture = Path(__file__).parent / "fixtures" / "tiny_drafter"
+    base = load_file(str(fixture / "model.safetensors"))
+    export = tmp_path / "export"
+    export.mkdir()
+    save_file({**base, "candidate_selector.successor_codebook": torch.zeros(4, 2)}, str(export / "model.safetensors"))
+    assert drafter_difference(export, fixture) is None
+    key = sorted(base)[0]
+    save_file({**base, key: base[key] + 1}, str(export / "model.safetensors"))
+    assert drafter_difference(export, fixture) == f"tensor {key} differs"
+    save_file({k: v for k, v in base.items() if k != key}, str(export / "model.safetensors"))
+    assert drafter_difference(export, fixture) == f"no tensor {key}"
+
+
+def test_jump_kl_without_teacher_top_k_is_refused(tiny_drafter_run, tmp_path):
+    """jump.kl_weight mixes in a KL to the teacher's stored top-k; without those in the data it used to train plain
+    CE silently."""
+    from dflash_pipeline.data.teacher import run_teacher
+    from dflash_pipeline.train.errors import TrainError
+
+    teacher = run_teacher(make_config("teacher.topk_logprobs=0"), tmp_path / "teacher")
+    with pytest.raises(TrainError, match=r"jump.kl_weight=0.5 needs teacher data with top-k log-probs"):
+        run_train(make_config("jump.kl_weight=0.5", "teacher.topk_logprobs=0"), tmp_path / "jump", data_dir=teacher,
+                  component="jump", drafter_dir=tiny_drafter_run / "export")

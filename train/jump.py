@@ -22,6 +22,7 @@ from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
 from dflash_pipeline.train.selector import load_selector
 
@@ -48,6 +49,9 @@ class JumpComponent(FrozenDrafterComponent):
         c = self.drafter.config
         self.offsets = default_offsets(self.block_size, self.own.every)
         self.at = torch.tensor(self.offsets, device=device) - 1  # index of block position o_j among positions 1..B-1
+        if self.own.kl_weight > 0 and "topk_ids" not in self.data[self.train_idx[0]]:
+            raise TrainError(f"jump.kl_weight={self.own.kl_weight} needs teacher data with top-k log-probs: "
+                             "regenerate it with teacher.topk_logprobs=<k>, or set jump.kl_weight=0")
         self.model = JumpHeads(c.vocab_size, c.hidden_size, self.block_size, self.offsets, self.own.rank).to(device)
 
     def _scored(self, batch: dict) -> torch.Tensor:
