@@ -96,6 +96,14 @@ def predicted_speedup(tau: float, verified_hist: list[int], ctx: EvalContext) ->
     return tau / cost if cost else 0.0
 
 
+class GreedyPolicy(ChainMethod):
+    """A policy that chooses drafts or verify lengths for greedy verification only (no sampling distribution q)."""
+
+    def check(self, block_size: int, temperature: float) -> None:
+        if temperature > 0:
+            raise ValueError(f"{self.name} is a greedy decoding policy: evaluate it with eval.temperature=0")
+
+
 # -- Boltzmann -----------------------------------------------------------------------------------------------------
 _GOLDEN = 0x9E3779B97F4A7C15 % (1 << 62)  # spreads position indices over the hash's bits (fits int64)
 
@@ -141,7 +149,7 @@ def _context_or_anchor(context: torch.Tensor | None, anchors: torch.Tensor) -> t
     return anchors[:, None] if context is None else context
 
 
-class BoltzmannMethod(ChainMethod):
+class BoltzmannMethod(GreedyPolicy):
     """Training-free: each position draws its draft from its own top-K by a hashed Gumbel-max (boltzmann_scores)."""
 
     name = "boltzmann"
@@ -152,10 +160,6 @@ class BoltzmannMethod(ChainMethod):
         self.grid = [float(t) for t in policy.temperatures]
         self.fixed = policy.temperature is not None
         self.temperature = float(policy.temperature) if self.fixed else self.grid[len(self.grid) // 2]
-
-    def check(self, block_size: int, temperature: float) -> None:
-        if temperature > 0:
-            raise ValueError("boltzmann selects drafts for greedy verification: evaluate it with eval.temperature=0")
 
     def prepare(self, ctx: EvalContext) -> dict:
         if self.fixed or not ctx.calibration:
@@ -246,7 +250,7 @@ def _both_sides(trans, cand, U, hidden, anchors, chosen, t, left_known):
     return s
 
 
-class MiddleOutMethod(ChainMethod):
+class MiddleOutMethod(GreedyPolicy):
     """MOBS (middle-out block selection) with the trained pair selector; `boltzmann` picks the centre by the
     Boltzmann rule first (BMOBS)."""
 
@@ -255,11 +259,6 @@ class MiddleOutMethod(ChainMethod):
         self.selector, self.refine, self.top_k = selector, int(policy.refine), selector.top_k
         self.name = "bmobs" if boltzmann else "mobs"
         self.boltzmann = BoltzmannMethod(drafter, policy) if boltzmann else None
-
-    def check(self, block_size: int, temperature: float) -> None:
-        if temperature > 0:
-            raise ValueError(f"{self.name} selects drafts for greedy verification: evaluate it with "
-                             "eval.temperature=0")
 
     def prepare(self, ctx: EvalContext) -> dict:
         if self.boltzmann is None:
@@ -296,7 +295,7 @@ def gated_length(U: torch.Tensor, threshold: float) -> torch.Tensor:
     return sure.long().cumprod(-1).sum(-1)
 
 
-class ActMethod(ChainMethod):
+class ActMethod(GreedyPolicy):
     """The drafter's argmax path, verified only up to the first position whose margin is below the threshold."""
 
     name = "act"
@@ -307,10 +306,6 @@ class ActMethod(ChainMethod):
         self.grid = [float(t) for t in policy.thresholds]
         self.fixed = policy.threshold is not None
         self.threshold = float(policy.threshold) if self.fixed else 0.0
-
-    def check(self, block_size: int, temperature: float) -> None:
-        if temperature > 0:
-            raise ValueError("act gates greedy verification: evaluate it with eval.temperature=0")
 
     def prepare(self, ctx: EvalContext) -> dict:
         if self.fixed or not ctx.calibration:
@@ -341,7 +336,7 @@ def best_length(acceptance: list[float], ctx: EvalContext, least: int = 0) -> tu
     return best, best_ratio
 
 
-class AdaptiveMethod(ChainMethod):
+class AdaptiveMethod(GreedyPolicy):
     """The verify length of each round from running per-position acceptance and the measured cost curve
     (best_length). When no length pays, rounds skip the drafter entirely (one target step each, as autoregressive
     decoding) and only every `probe_every`-th round drafts to refresh the estimates, so a useless drafter costs little
@@ -355,10 +350,6 @@ class AdaptiveMethod(ChainMethod):
             float(policy.memory)
         self.ctx: EvalContext | None = None
         self.prior: list[float] | None = None
-
-    def check(self, block_size: int, temperature: float) -> None:
-        if temperature > 0:
-            raise ValueError("adaptive chooses greedy verify lengths: evaluate it with eval.temperature=0")
 
     def prepare(self, ctx: EvalContext) -> dict:
         """The cost curve, and a prior acceptance: the chain's a_k on the calibration sequences (0.5 without)."""

@@ -25,6 +25,28 @@ def make_config(*overrides: str, return_hydra_config: bool = False):
                        return_hydra_config=return_hydra_config)
 
 
+@pytest.fixture(scope="module")
+def target():
+    """The tiny target, with torch at one thread while the module's tests use it: batch-1 decoding of tiny models is
+    dominated by thread synchronisation on a busy 2-core machine."""
+    import torch
+
+    from dflash_pipeline.models.target import load_target
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = make_config()
+    yield load_target(cfg.target, cfg.cache_dir)
+    torch.set_num_threads(before)
+
+
+def chat_prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as a one-turn chat prompt, token ids, as the eval stage builds them."""
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                    tokenize=False), add_special_tokens=False)["input_ids"]
+            for t in texts]
+
+
 @pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory) -> Path:
     """A finished tiny teacher dataset (8 samples, 2 shards, 2 turns, top-k log-probs)."""

@@ -17,7 +17,6 @@ from dflash_pipeline.eval.metrics import accepted_length_stats, conditional_acce
 from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import generate
-from dflash_pipeline.models.target import load_target
 from tests.conftest import chi_square_p, make_config, sampling_case
 from dflash_pipeline.train.drafter import drafter_config
 
@@ -31,12 +30,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target():
-    cfg = make_config()
-    return load_target(cfg.target, cfg.cache_dir)
 
 
 @pytest.fixture(scope="module")

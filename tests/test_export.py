@@ -14,10 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.eval.decode import ChainMethod, speculative
 from dflash_pipeline.models.drafter import DFlashDrafter
-from dflash_pipeline.models.target import load_target
 from dflash_pipeline.train.drafter import drafter_config
 
-from conftest import make_config
+from conftest import chat_prompt_ids, make_config
 
 TAPS = [1, 3]
 DRAFT_VOCAB = 300
@@ -117,20 +116,8 @@ class Recorder(ChainMethod):
 
 
 @pytest.fixture(scope="module")
-def target():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cfg = make_config()
-    yield load_target(cfg.target, cfg.cache_dir)
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(target):
-    tok = target.tokenizer
-    texts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-             for t in TEXTS]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return chat_prompt_ids(target.tokenizer, TEXTS)
 
 
 def make_drafter(target, draft_vocab: bool) -> DFlashDrafter:

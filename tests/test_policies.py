@@ -16,32 +16,15 @@ from dflash_pipeline.eval.policies import (ActMethod, AdaptiveMethod, BoltzmannM
                                            best_length, boltzmann_scores, gated_length, measure_costs, middle_out)
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.selector import PairSelector
-from dflash_pipeline.models.target import load_target
 from dflash_pipeline.train.drafter import drafter_config
-from tests.conftest import make_config
+from tests.conftest import chat_prompt_ids, make_config
 
 TEXTS = ["Write a haiku about the sea.", "What is 12 times 7?"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target():
-    cfg = make_config()
-    return load_target(cfg.target, cfg.cache_dir)
-
-
 @pytest.fixture(scope="module")
 def prompt_ids(target):
-    tok = target.tokenizer
-    return [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False)["input_ids"] for t in TEXTS]
+    return chat_prompt_ids(target.tokenizer, TEXTS)
 
 
 @pytest.fixture(scope="module")
