@@ -162,14 +162,20 @@ class BoltzmannMethod(GreedyPolicy):
         self.temperature = float(policy.temperature) if self.fixed else self.grid[len(self.grid) // 2]
 
     def prepare(self, ctx: EvalContext) -> dict:
-        if self.fixed or not ctx.calibration:
-            return {"temperature": self.temperature, "calibrated": False}
-        self.temperature, scores = calibrate(self, "temperature", self.grid, ctx, by="tau_offline")
-        return {"temperature": self.temperature, "calibrated": True, "grid_tau_offline": scores}
+        return prepare_setting(self, "temperature", self.grid, self.fixed, ctx, by="tau_offline")
 
     def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
         s = boltzmann_scores(cand_logits, cand_ids, _context_or_anchor(context, anchors), self.temperature)
         return cand_ids.gather(-1, s.argmax(-1, keepdim=True))[..., 0], cand_ids.shape[1] * cand_ids.shape[2]
+
+
+def prepare_setting(method, attr: str, grid: list[float], fixed: bool, ctx: EvalContext, by: str) -> dict:
+    """What a policy reports for one setting: the value eval.policy gave (fixed), or, when it was null and there are
+    calibration sequences, the best of its grid by `by` with every grid value's score."""
+    if fixed or not ctx.calibration:
+        return {attr: getattr(method, attr), "calibrated": False}
+    value, scores = calibrate(method, attr, grid, ctx, by)
+    return {attr: value, "calibrated": True, f"grid_{by}": scores}
 
 
 def calibrate(method, attr: str, grid: list[float], ctx: EvalContext, by: str) -> tuple[float, dict]:
@@ -264,10 +270,7 @@ class MiddleOutMethod(GreedyPolicy):
         if self.boltzmann is None:
             return {"refine": self.refine}
         b = self.boltzmann
-        if b.fixed or not ctx.calibration:
-            return {"refine": self.refine, "temperature": b.temperature, "calibrated": False}
-        b.temperature, scores = calibrate(self, "temperature", b.grid, ctx, by="tau_offline")
-        return {"refine": self.refine, "temperature": b.temperature, "calibrated": True, "grid_tau_offline": scores}
+        return {"refine": self.refine, **prepare_setting(self, "temperature", b.grid, b.fixed, ctx, by="tau_offline")}
 
     @property
     def temperature(self) -> float:
@@ -308,10 +311,7 @@ class ActMethod(GreedyPolicy):
         self.threshold = float(policy.threshold) if self.fixed else 0.0
 
     def prepare(self, ctx: EvalContext) -> dict:
-        if self.fixed or not ctx.calibration:
-            return {"threshold": self.threshold, "calibrated": False}
-        self.threshold, scores = calibrate(self, "threshold", self.grid, ctx, by="predicted_speedup")
-        return {"threshold": self.threshold, "calibrated": True, "grid_predicted_speedup": scores}
+        return prepare_setting(self, "threshold", self.grid, self.fixed, ctx, by="predicted_speedup")
 
     def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
         drafts = cand_ids[..., 0].clone()
