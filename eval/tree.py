@@ -1,0 +1,239 @@
+"""Draft trees: their construction (DDTree, the DySpec-style builder) and their greedy verification by the target.
+
+A tree hangs below the anchor (the root, committed by the target at position L). The target verifies the whole tree
+in ONE forward over [anchor, nodes...]: node i sits at position L + depth(i) and attends to the L cached tokens and,
+among the new tokens, to exactly its ancestors and itself, so each node's logits are the ones a chain forward over its
+own path would give. Greedy acceptance walks from the root down the child that matches the target's argmax; the KV
+rows of the accepted path are then moved next to the cache's committed prefix (no recomputation).
+
+transformers 5.x: a 4D `attention_mask` (batch, 1, q_len, kv_len) bypasses the model's mask construction
+(masking_utils._preprocess_mask_arguments returns it as is). Eager attention ADDS the mask to the scores and sdpa
+takes a float mask as additive too, so the mask is a float tensor: 0 where allowed, the dtype's minimum elsewhere.
+Kernels that take no dense mask (flash attention, flex) would ignore the tree structure, so they are refused.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+DENSE_MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that honour a custom 4D float mask
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes below the anchor (the root, not stored), in topological order (a parent before its children)."""
+
+    tokens: torch.Tensor  # (n,) long: target token ids
+    parents: torch.Tensor  # (n,) long: index of the parent node among these nodes, -1 = the root (anchor)
+    depths: torch.Tensor  # (n,) long: 1 .. B-1 (the root is depth 0)
+    scores: torch.Tensor | None = None  # (n,) float path log-probability, when the builder has one
+
+    @staticmethod
+    def chain(tokens: torch.Tensor) -> "DraftTree":
+        """A single path (a block's drafts): node i hangs under node i-1."""
+        n = tokens.shape[0]
+        idx = torch.arange(n, device=tokens.device)
+        return DraftTree(tokens.long(), idx - 1, idx + 1)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class TreeVerdict:
+    path: list[int]  # accepted node indices, root's child first (len = accepted)
+    tokens: list[int]  # their tokens
+    next_anchor: int  # the target's token after the accepted path
+    features: torch.Tensor  # (1 + accepted, n*Ht) tapped features of [anchor, accepted nodes]
+    logits: torch.Tensor  # (n + 1, V) the target's logits over [anchor, nodes] (for tests / metrics)
+    final: torch.Tensor | None = None  # (1 + accepted, Ht) the target's last hidden states of [anchor, accepted nodes]
+
+
+# -- verification ----------------------------------------------------------------------------------------------------
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """(n+1, n+1) bool over [root, nodes...]: row i is True at j iff j is i or an ancestor of i (the root: all)."""
+    par = parents.tolist()
+    n = len(par)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(par):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must come first (topological order)")
+        mask[i + 1] = mask[p + 1]  # parents come first, so the parent's row is complete
+        mask[i + 1, i + 1] = True
+    return mask
+
+
+def tree_attention_mask(parents: torch.Tensor, L: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(1, 1, n+1, L+n+1) additive float mask: every cached position, then the ancestors (and self) of each row."""
+    allowed = torch.cat([torch.ones(len(parents) + 1, L, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+def compact_cache(cache: DynamicCache, L: int, rows: torch.Tensor) -> None:
+    """Keep the first L tokens of every layer plus the new tokens at `rows` (indices relative to L, ascending).
+
+    The kept rows are gathered (index_select) and written right after the prefix, then the tail is cut off: the KV
+    of the accepted path is reused as computed under the tree mask, which equals a chain forward over that path.
+    """
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+            raise ValueError(f"cannot compact a {type(layer).__name__}: only full-attention DynamicLayers")
+        idx = rows.to(layer.keys.device) + L
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            kept = t.index_select(-2, idx)
+            t[..., L: L + len(idx), :] = kept
+            setattr(layer, name, t[..., : L + len(idx), :])
+
+
+def _children(parents: list[int]) -> list[list[int]]:
+    """children[p + 1]: the nodes under p (p = -1: the root), in index order."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return out
+
+
+def _walk_greedy(tree: DraftTree, best: list[int]) -> list[int]:
+    """Accepted nodes: from the root, the (first) child whose token equals the target's argmax at the current row."""
+    kids, tokens = _children(tree.parents.tolist()), tree.tokens.tolist()
+    path: list[int] = []
+    cur = -1
+    while True:
+        nxt = next((c for c in kids[cur + 1] if tokens[c] == best[cur + 1]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+        cur = nxt
+
+
+@torch.no_grad()
+def verify_tree(model, cache: DynamicCache, L: int, anchor: int, tree: DraftTree, layer_ids: list[int]) -> TreeVerdict:
+    """One target forward over [anchor, tree nodes] on `cache` (holding exactly the L tokens before the anchor),
+    greedy acceptance, and cache compaction: afterwards the cache holds L + 1 + accepted tokens.
+
+    features are those of target_forward (eval/decode.py): hidden_states[i + 1] for i in layer_ids, concatenated;
+    final: hidden_states[-1], the rows the LM head reads (a drafter conditioned on the verifier's state needs it).
+    """
+    impl = model.config._attn_implementation
+    if impl not in DENSE_MASK_ATTENTION:
+        raise ValueError(f"tree verification needs a dense attention mask: attention {impl!r} is not one of "
+                         f"{DENSE_MASK_ATTENTION} (model.set_attn_implementation('sdpa'))")
+    if cache.get_seq_length() != L:
+        raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected L = {L}")
+    device = next(model.parameters()).device
+    ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()]).to(device)[None]
+    positions = (L + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths.cpu()])).to(device)[None]
+    mask = tree_attention_mask(tree.parents.cpu(), L, model.dtype, device)
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                output_hidden_states=True)
+    logits = out.logits[0]
+    best = logits.argmax(-1).tolist()  # the target's greedy token after each row
+    path = _walk_greedy(tree, best)
+    keep = [0] + [i + 1 for i in path]  # rows of [anchor, accepted nodes]
+    rows = torch.tensor(keep, device=device)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[0].index_select(0, rows)
+    compact_cache(cache, L, rows)
+    return TreeVerdict(path=path, tokens=tree.tokens[path].tolist(), next_anchor=best[keep[-1]], features=feats,
+                       logits=logits, final=out.hidden_states[-1][0].index_select(0, rows))
+
+
+# -- construction ----------------------------------------------------------------------------------------------------
+def _tree(tokens: list[int], parents: list[int], depths: list[int], scores: list[float], device=None) -> DraftTree:
+    long = dict(dtype=torch.long, device=device)
+    return DraftTree(torch.tensor(tokens, **long), torch.tensor(parents, **long), torch.tensor(depths, **long),
+                     torch.tensor(scores, dtype=torch.float32, device=device))
+
+
+def ddtree(logprobs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
+    """The training-free DDTree baseline: the `budget` most probable path prefixes when depth d's token is drawn
+    independently from the drafter's marginal at d. logprobs / ids (P, K): per depth, sorted best first.
+
+    Best-first over (depth, rank) under each node: a popped node pushes its next sibling and its first child; both
+    score no better than it (sorted ranks, log-probs <= 0), so pops come in path-probability order. Ties: push order.
+    """
+    P, K = logprobs.shape
+    lp, tok = logprobs.float().cpu().tolist(), ids.cpu().tolist()
+    if any(row[i] < row[i + 1] for row in lp for i in range(K - 1)):
+        raise ValueError("ddtree needs each depth's log-probs sorted best first")
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    heap = [(-lp[0][0], 0, 1, 0, -1, 0.0)]  # (-score, counter, depth, rank, parent node, parent's score)
+    counter = 1
+    while heap and len(tokens) < budget:
+        neg, _, d, r, parent, base = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(tok[d - 1][r])
+        parents.append(parent)
+        depths.append(d)
+        scores.append(-neg)
+        pushes = []
+        if r + 1 < K:
+            pushes.append((base + lp[d - 1][r + 1], d, r + 1, parent, base))
+        if d < P:
+            pushes.append((-neg + lp[d][0], d + 1, 0, node, -neg))
+        for score, dd, rr, pp, bb in pushes:
+            heapq.heappush(heap, (-score, counter, dd, rr, pp, bb))
+            counter += 1
+    return _tree(tokens, parents, depths, scores, ids.device)
+
+
+Expand = Callable[[list[int], DraftTree], tuple[torch.Tensor, torch.Tensor]]
+
+
+def build_tree(expand: Expand, budget: int, max_depth: int, children: int = 8,
+               width: int | None = None) -> tuple[DraftTree, list[int]]:
+    """The modified DySpec builder: grow the tree by path log-prob, expanding `width` nodes per scoring call.
+
+    expand(nodes, tree) -> (child_ids (w, c), child_logprobs (w, c)): `nodes` are indices into `tree` (the tree built
+    so far; -1 = the root, the anchor), and row j holds node j's candidate children, best first, with their
+    conditional log-probs log p(child | path). Each expanded node pushes its first `children` candidates (those with
+    log-prob -inf are skipped) onto a frontier keyed by path log-prob. The root is expanded alone; then each step
+    pops the best w = width or ceil(budget / 16) entries (fewer when the frontier or the remaining budget is
+    smaller), adds them as nodes in pop order, and expands those shallower than max_depth in one call, except
+    after the pop that fills the budget. Returns the tree and the number of nodes of each expand call (the root's
+    1 first). Ties on the frontier: push order.
+    """
+    w = width or math.ceil(budget / 16)
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    calls: list[int] = []
+    frontier: list[tuple[float, int, int, int, int]] = []  # (-score, counter, parent, depth, token)
+    counter = 0
+    pending = [-1] if max_depth > 0 else []  # nodes to expand next
+    while len(tokens) < budget:
+        if pending:
+            child_ids, child_lp = expand(pending, _tree(tokens, parents, depths, scores))
+            calls.append(len(pending))
+            child_ids, child_lp = child_ids[:, :children].tolist(), child_lp[:, :children].float().tolist()
+            for node, row_ids, row_lp in zip(pending, child_ids, child_lp):
+                base, depth = (0.0, 0) if node < 0 else (scores[node], depths[node])
+                for tok, lp in zip(row_ids, row_lp):
+                    if lp != -math.inf:
+                        heapq.heappush(frontier, (-(base + lp), counter, node, depth + 1, int(tok)))
+                        counter += 1
+        if not frontier:
+            break
+        pending = []
+        for _ in range(min(w, len(frontier), budget - len(tokens))):
+            neg, _, parent, depth, tok = heapq.heappop(frontier)
+            if depth < max_depth:
+                pending.append(len(tokens))
+            tokens.append(tok)
+            parents.append(parent)
+            depths.append(depth)
+            scores.append(-neg)
+    return _tree(tokens, parents, depths, scores), calls
