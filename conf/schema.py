@@ -251,6 +251,8 @@ class EvalConfig:
     drafter_dir: Optional[str] = None  # an exported drafter folder; None: <run dir>/<trainer.out_dir>/export
     methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # eval/decode.py METHODS
     recall_k: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [1, 4, 16])  # offline Recall@K
+    # node budgets (excluding the root) of the tree methods (ddtree, weaver_tree): each is evaluated per budget
+    tree_budgets: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [16, 32, 64])
     timing_repeats: int = ranged(1, ge=1)  # A B B A passes (AR, spec, spec, AR) per prompt, after one warm-up
     strict_exact: bool = True  # greedy: raise on any speculative/autoregressive mismatch (False: record it)
     # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1

@@ -22,8 +22,9 @@ def pack_blocks(items: list[dict], *, block_size: int, mask_token_id: int, ancho
     anchors_per_sequence: sample this many anchors without replacement (all candidates when None or when fewer),
     with the sequence's own generator (so a sequence's anchors do not depend on its batch-mates).
     Returns features (Bc, Tmax, n*H), context_valid (Bc, Tmax), block_ids (Bc, Nb, B), anchor_pos (Bc, Nb),
-    anchor_valid (Bc, Nb), labels (Bc, Nb, B-1) target ids, label_valid (Bc, Nb, B-1), and for top-k data
-    topk_ids/topk_logprobs (Bc, Nb, B-1, k) aligned with the labels.
+    anchor_valid (Bc, Nb), labels (Bc, Nb, B-1) target ids, label_valid (Bc, Nb, B-1), for top-k data
+    topk_ids/topk_logprobs (Bc, Nb, B-1, k) aligned with the labels, and for items with the target's final hidden
+    states (`final_hidden` (T, H)) verifier_hidden (Bc, Nb, H): the row before each anchor, which predicted it.
     """
     B = block_size
     chosen = []
@@ -49,6 +50,8 @@ def pack_blocks(items: list[dict], *, block_size: int, mask_token_id: int, ancho
         k = items[0]["topk_ids"].shape[-1]
         out["topk_ids"] = torch.zeros(Bc, Nb, B - 1, k, dtype=torch.long)
         out["topk_logprobs"] = torch.zeros(Bc, Nb, B - 1, k)
+    if "final_hidden" in items[0]:
+        out["verifier_hidden"] = torch.zeros(Bc, Nb, items[0]["final_hidden"].shape[-1])
     offsets = torch.arange(1, B)
     for b, (it, anchors) in enumerate(zip(items, chosen)):
         n, na = len(it["input_ids"]), len(anchors)
@@ -66,4 +69,6 @@ def pack_blocks(items: list[dict], *, block_size: int, mask_token_id: int, ancho
         if topk:
             out["topk_ids"][b, :na] = it["topk_ids"][pos].long()
             out["topk_logprobs"][b, :na] = it["topk_logprobs"][pos].float()
+        if "verifier_hidden" in out:
+            out["verifier_hidden"][b, :na] = it["final_hidden"][(anchors - 1).clamp(min=0)].float()
     return out

@@ -13,7 +13,8 @@ Methods come from the components of train/catalogue.py (each module's METHODS). 
 whose `path` chooses the drafts among the drafter's top-K candidates (the chain: each position's argmax); the same
 `path` gives its teacher-forced (offline) metrics. A path may verify fewer drafts than the block holds: it marks the
 unverified tail NOT_VERIFIED (policies of eval/policies.py), and a round then verifies [anchor, leading drafts].
-A tree method also needs its own verify (not built here).
+A tree method proposes a DraftTree (eval/tree.py): the round verifies every node in one forward with an
+ancestor-only mask and keeps the accepted path's KV entries.
 
 Timings use time.perf_counter after a device synchronize, so GPU runs time real work, not kernel launches.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -57,17 +59,25 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
-def target_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, layer_ids: list[int],
-                   last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward of ids (1, T) at positions (1, T) on `cache` (extended in place).
+class TargetStep(NamedTuple):
+    logits: torch.Tensor  # (T, V), or (1, V): the last row only
+    features: torch.Tensor  # (T, n*Ht) tapped features
+    final: torch.Tensor  # (T, Ht) the final (normed) hidden states, the rows the LM head reads
 
-    Returns logits (T, V) (only the last row with last_only) and tapped features (T, n*Ht): the concatenation of
-    hidden_states[i + 1] for i in layer_ids, as the teacher's capture() stores them.
+
+def target_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, layer_ids: list[int],
+                   last_only: bool = False, attention_mask: torch.Tensor | None = None) -> TargetStep:
+    """One target forward of ids (1, T) at positions (1, T) on `cache` (extended in place); attention_mask: a
+    custom 4-D mask (tree verification), None = causal.
+
+    Returns logits (T, V) (only the last row with last_only), tapped features (T, n*Ht): the concatenation of
+    hidden_states[i + 1] for i in layer_ids, as the teacher's capture() stores them, and the final hidden states.
     """
+    extra = {} if attention_mask is None else {"attention_mask": attention_mask}
     out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True,
-                logits_to_keep=1 if last_only else 0)
+                logits_to_keep=1 if last_only else 0, **extra)
     feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (1, T, n*Ht)
-    return out.logits[0], feats[0]
+    return TargetStep(out.logits[0], feats[0], out.hidden_states[-1][0])
 
 
 # -- autoregressive baseline ---------------------------------------------------------------------------------------
@@ -121,6 +131,7 @@ class RoundState:
     anchor_pos: int  # L: committed tokens before the anchor
     output: list[int]  # generated so far, ending with the anchor
     context: list[int] = field(default_factory=list)  # the last CONTEXT committed tokens (prompt included), anchor last
+    verifier_hidden: torch.Tensor | None = None  # (Ht,) the target's final hidden state of the row that chose the anchor
 
 
 @dataclass
@@ -130,6 +141,7 @@ class Proposal:
     select_s: float = 0.0  # time spent choosing among the candidates (after the drafter's forward)
     scorings: int = 0  # candidate scorings the choice took
     drafted: bool = True  # False: the method skipped the drafter this round (no drafts; a plain target step)
+    tree: object | None = None  # a DraftTree (eval/tree.py) of the drafts in `tokens`: verified as a tree
 
 
 def candidates(drafter: DFlashDrafter, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,32 +303,41 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     method.start()
     cache = DynamicCache()
     L = len(prompt_ids)
-    logits, feats = target_forward(model, torch.tensor([prompt_ids], device=device),
-                                   torch.arange(L, device=device)[None], cache, method.layer_ids, last_only=True)
+    logits, feats, final = target_forward(model, torch.tensor([prompt_ids], device=device),
+                                          torch.arange(L, device=device)[None], cache, method.layer_ids,
+                                          last_only=True)
     res.target_forwards = 1
     anchor = int(logits[-1].argmax()) if temperature <= 0 else _sample(_probs(logits[-1], temperature), generator)
     output = [anchor]
-    new_features, new_positions = feats[None], torch.arange(L, device=device)
+    new_features, new_positions, verifier_hidden = feats[None], torch.arange(L, device=device), final[-1]
     _sync(device)
     res.prefill_s = time.perf_counter() - t_start
     done = anchor in eos or len(output) >= max_new_tokens
     while not done:
         t0 = time.perf_counter()
         context = (prompt_ids + output)[-CONTEXT:]
-        prop = method.propose(RoundState(new_features, new_positions, anchor, L, output, context), B, temperature,
-                              generator)
+        prop = method.propose(RoundState(new_features, new_positions, anchor, L, output, context, verifier_hidden),
+                              B, temperature, generator)
         drafts = prop.tokens.to(device)
         _sync(device)
         t1 = time.perf_counter()
-        ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, 1 + drafts)
-        positions = torch.arange(L, L + ids.shape[1], device=device)[None]
-        logits, feats = target_forward(model, ids, positions, cache, method.layer_ids)  # (1+d, V), (1+d, n*Ht)
-        res.target_forwards += 1
-        if temperature <= 0:
-            n, next_anchor = _accept_greedy(drafts, logits)
+        if prop.tree is not None:  # one forward over the tree, greedy walk, the cache compacted to the path
+            from dflash_pipeline.eval.tree import verify_tree
+
+            verdict = verify_tree(model, cache, L, anchor, prop.tree, method.layer_ids)
+            n, next_anchor, accepted = len(verdict.path), verdict.next_anchor, verdict.tokens
+            feats, verifier_hidden = verdict.features, verdict.final[-1]
         else:
-            n, next_anchor = _accept_sampling(drafts, prop.q.to(device), logits, temperature, generator)
-        crop_cache(cache, L + n + 1)  # keep anchor + accepted drafts
+            ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, 1 + drafts)
+            positions = torch.arange(L, L + ids.shape[1], device=device)[None]
+            logits, feats, final = target_forward(model, ids, positions, cache, method.layer_ids)  # (1+d, ...)
+            if temperature <= 0:
+                n, next_anchor = _accept_greedy(drafts, logits)
+            else:
+                n, next_anchor = _accept_sampling(drafts, prop.q.to(device), logits, temperature, generator)
+            crop_cache(cache, L + n + 1)  # keep anchor + accepted drafts
+            accepted, verifier_hidden = drafts[:n].tolist(), final[n]
+        res.target_forwards += 1
         _sync(device)
         t2 = time.perf_counter()
         res.accepted.append(n)
@@ -326,7 +347,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         res.select_s.append(prop.select_s)
         res.scorings.append(prop.scorings)
         res.verify_s.append(t2 - t1)
-        new = drafts[:n].tolist() + [next_anchor]
+        new = accepted + [next_anchor]
         for i, tok in enumerate(new):
             if tok in eos:
                 new, done = new[: i + 1], True

@@ -42,23 +42,35 @@ class EvalContext:
     step_s: float  # seconds of a 1-token target step (the unit of the two above)
     block_size: int
     calibration: list[dict] = field(default_factory=list)  # teacher-forced items apart from the eval prompts
+    tree_cost: dict[int, float] = field(default_factory=dict)  # N -> verifying a tree of N nodes / a 1-token step
 
     def round_cost(self, verified: int, drafted: bool = True) -> float:
-        """A round's cost in target steps: verify anchor + `verified` drafts, plus the draft when one was made."""
-        return self.verify_cost[verified] + (self.draft_cost if drafted else 0.0)
+        """A round's cost in target steps: verify anchor + `verified` drafts (beyond the block: a tree of that many
+        nodes, the nearest measured size at or above it), plus the draft when one was made."""
+        if verified < len(self.verify_cost):
+            verify = self.verify_cost[verified]
+        else:
+            sizes = sorted(self.tree_cost)
+            verify = self.tree_cost[next((n for n in sizes if n >= verified), sizes[-1])]
+        return verify + (self.draft_cost if drafted else 0.0)
 
 
 @torch.no_grad()
-def measure_costs(target, drafter, context_ids: list[int], block_size: int, repeats: int = 9) -> dict:
+def measure_costs(target, drafter, context_ids: list[int], block_size: int, repeats: int = 9,
+                  tree_sizes: tuple[int, ...] = ()) -> dict:
     """The target's verify-cost curve c(n) = time(verify n tokens) / time(1 token), n = 1..B, after a prefill of
-    `context_ids`, and the drafter's block forward in the same unit. Repeats interleave every n (one warm-up pass
-    first); medians. Verification is timed as the eval loop runs it (hidden states out, cache cropped after)."""
+    `context_ids`, the drafter's block forward in the same unit, and for each N of tree_sizes the verification of
+    an N-node tree (eval/tree.py verify_tree: ancestor mask, greedy walk, cache compaction). Repeats interleave every
+    size (one warm-up pass first); medians. Verification is timed as the eval loop runs it (hidden states out,
+    cache cropped after)."""
+    from dflash_pipeline.eval.tree import DraftTree, verify_tree
+
     model = target.model
     device = next(model.parameters()).device
     layer_ids = list(drafter.config.target_layer_ids)
     cache = DynamicCache()
     L = len(context_ids)
-    _, feats = target_forward(model, torch.tensor([context_ids], device=device), torch.arange(L, device=device)[None],
+    _, feats, _ = target_forward(model, torch.tensor([context_ids], device=device), torch.arange(L, device=device)[None],
                               cache, layer_ids, last_only=True)
     chain = ChainMethod(drafter)
     chain.start()
@@ -66,6 +78,14 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     chain.propose(RoundState(feats[None, :-1], torch.arange(L - 1, device=device), anchor, L - 1, [anchor]),
                   block_size)  # the drafter's context prefill, not timed
     times: dict[int, list[float]] = {n: [] for n in range(1, block_size + 1)}
+    trees = {}
+    for N in tree_sizes:  # 8 children per node, breadth first: the shape of a wide draft tree
+        parents = torch.arange(N) // 8 - 1
+        depths = torch.ones(N, dtype=torch.long)
+        for i in range(N):
+            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+        trees[N] = DraftTree(torch.full((N,), anchor), parents, depths)
+    tree_times: dict[int, list[float]] = {N: [] for N in trees}
     draft: list[float] = []
     ids = torch.full((1, block_size), anchor, device=device)  # any tokens: only the time is kept
     for r in range(repeats + 1):
@@ -77,6 +97,14 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
             _sync(device)
             if r:
                 times[n].append(time.perf_counter() - t0)
+        for N, tree in trees.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            verify_tree(model, cache, L, anchor, tree, layer_ids)
+            crop_cache(cache, L)
+            _sync(device)
+            if r:
+                tree_times[N].append(time.perf_counter() - t0)
         one = RoundState(feats[None, -1:], torch.tensor([L - 1 + r], device=device), anchor, L + r, [anchor])
         t0 = time.perf_counter()
         chain.propose(one, block_size)  # one committed token enters the drafter's context, as in a round
@@ -85,7 +113,8 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
             draft.append(time.perf_counter() - t0)
     step = statistics.median(times[1])
     return {"verify_cost": [statistics.median(times[n]) / step for n in times], "draft_cost":
-            statistics.median(draft) / step, "step_ms": 1e3 * step, "context_tokens": L, "repeats": repeats}
+            statistics.median(draft) / step, "step_ms": 1e3 * step, "context_tokens": L, "repeats": repeats,
+            "tree_cost": {N: statistics.median(t) / step for N, t in tree_times.items()}}
 
 
 def predicted_speedup(tau: float, verified_hist: list[int], ctx: EvalContext) -> float:
@@ -397,7 +426,8 @@ class AdaptiveMethod(GreedyPolicy):
         if self.pending:
             feats = torch.cat([f for f, _ in self.pending] + [state.new_features], dim=1)
             positions = torch.cat([p for _, p in self.pending] + [state.new_positions])
-            state = RoundState(feats, positions, state.anchor, state.anchor_pos, state.output, state.context)
+            state = RoundState(feats, positions, state.anchor, state.anchor_pos, state.output, state.context,
+                               state.verifier_hidden)
             self.pending = []
         prop = super().propose(state, block_size, temperature, generator)
         prop.tokens = prop.tokens[:v]

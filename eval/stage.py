@@ -35,6 +35,7 @@ from dflash_pipeline.eval import report
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, offline_metrics
 from dflash_pipeline.eval.policies import EvalContext, measure_costs
+from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target, load_target
@@ -132,12 +133,13 @@ def load_drafter(cfg: DictConfig, train_dir: Path, target: Target) -> tuple[DFla
 
 
 # -- offline metrics ---------------------------------------------------------------------------------------------
-def reply_items(target: Target, layer_ids: list[int], seqs: list[tuple[list[int], list[int]]]) -> list[dict]:
+def reply_items(target: Target, layer_ids: list[int], seqs: list[tuple[list[int], list[int]]],
+                final: bool = False) -> list[dict]:
     """(prompt ids, reply ids) pairs as teacher-style items: features captured now, loss mask on the reply."""
     items = [{"input_ids": torch.tensor(prompt + reply),
               "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(reply), dtype=torch.bool)}
              for prompt, reply in seqs]
-    return recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id)
+    return recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id, final=final)
 
 
 def teacher_heldout_items(cfg: DictConfig, data_dir: Path, drafter_dir: Path, target: Target,
@@ -318,9 +320,9 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
     """{name: method} for eval.methods, each on the drafter with its component's trained export (refused when that
     export was trained on another drafter than the one of `drafter_dir`)."""
     methods, checked = {}, set()
-    for name in cfg.eval.methods:
+    for name, (base, budget) in catalogue.evaluated_names(cfg.eval.methods, cfg.eval.tree_budgets).items():
         exports = {}
-        for component in catalogue.method_components(name)[1:]:
+        for component in catalogue.method_components(base)[1:]:
             exports[component] = Path(component_dirs.get(component, train_dir / component)) / "export"
             if not (exports[component] / "config.json").is_file():
                 raise EvalError(f"eval method {name} needs the trained {component} at {exports[component]}: run "
@@ -333,7 +335,7 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
                                     f"set eval.drafter_dir to the drafter it was trained on")
                 checked.add(component)
         try:
-            methods[name] = catalogue.make_method(name, drafter, exports)
+            methods[name] = catalogue.make_method(base, drafter, exports, cfg.eval.policy, budget)
         except ValueError as err:  # exports that do not fit together
             raise EvalError(f"eval method {name}: {err}") from err
     return methods
@@ -347,10 +349,13 @@ def eval_context(cfg: DictConfig, target: Target, drafter: DFlashDrafter, block_
     calibration = [it for it in heldout if it.get("id") not in used][: cfg.eval.policy.calibration_sequences]
     first = next(iter(prompt_sets.values()))[0]["prompt_ids"]
     context = calibration[0]["input_ids"][:COST_CONTEXT].tolist() if calibration else first[-COST_CONTEXT:]
-    costs = measure_costs(target, drafter, context, block_size)
-    log.info("verify cost c(n) / c(1), n = 1..%d: %s; draft %.2f; 1-token step %.1f ms", block_size,
-             [round(c, 2) for c in costs["verify_cost"]], costs["draft_cost"], costs["step_ms"])
-    return EvalContext(costs["verify_cost"], costs["draft_cost"], costs["step_ms"] / 1e3, block_size, calibration)
+    trees = tuple(cfg.eval.tree_budgets) if any(catalogue.methods()[m][1].tree for m in cfg.eval.methods) else ()
+    costs = measure_costs(target, drafter, context, block_size, tree_sizes=trees)
+    log.info("verify cost c(n) / c(1), n = 1..%d: %s; draft %.2f; 1-token step %.1f ms; trees of N nodes: %s",
+             block_size, [round(c, 2) for c in costs["verify_cost"]], costs["draft_cost"], costs["step_ms"],
+             {n: round(c, 2) for n, c in costs["tree_cost"].items()})
+    return EvalContext(costs["verify_cost"], costs["draft_cost"], costs["step_ms"] / 1e3, block_size, calibration,
+                       costs["tree_cost"])
 
 
 def drafter_difference(export: Path, drafter_dir: Path) -> str | None:
@@ -407,14 +412,26 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                                "medians of per-run time per output token",
                    "device": str(device), "num_threads": torch.get_num_threads(), "repeats": e.timing_repeats},
         "offline": {},
-        "methods": {m: {} for m in e.methods},
+        "methods": {m: {} for m in methods},
     }
+    trees = {m: method for m, method in methods.items() if isinstance(method, TreeMethod)}
+    blocks = {m: method for m, method in methods.items() if m not in trees}
+
+    def offline(items: list[dict], label: str) -> dict:
+        """Every method's teacher-forced metrics on `items` (trees: built per block, walked along the labels)."""
+        with Progress(f"eval {label} offline", len(items), "sequence") as bar:
+            res = offline_metrics(drafter, items, B, ks, progress=bar, methods=blocks)
+        if trees:
+            if "final_hidden" not in items[0]:
+                recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id, final=True)
+            with Progress(f"eval {label} offline trees", len(items), "sequence") as bar:
+                res["methods"].update(tree_offline_metrics(drafter, items, B, trees, progress=bar))
+        return res
+
     items, note = teacher_heldout_items(cfg, teacher_dir, drafter_dir, target, layer_ids)
     results["offline"]["teacher_heldout"] = None
     if items:
-        with Progress("eval teacher_heldout offline", len(items), "sequence") as bar:
-            results["offline"]["teacher_heldout"] = offline_metrics(drafter, items, B, ks, progress=bar,
-                                                                    methods=methods)
+        results["offline"]["teacher_heldout"] = offline(items, "teacher_heldout")
         log.info("offline on %s: a_k %s tau_offline %.3f", note,
                  [round(x, 3) for x in results["offline"]["teacher_heldout"]["a_k"]],
                  results["offline"]["teacher_heldout"]["tau_offline"])
@@ -423,6 +440,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     results["offline_note"] = note
     ctx = eval_context(cfg, target, drafter, B, items or [], prompt_sets)
     results["costs"] = {"verify_cost": ctx.verify_cost, "draft_cost": ctx.draft_cost, "step_ms": ctx.step_s * 1e3,
+                        "tree_cost": {str(n): c for n, c in ctx.tree_cost.items()},
                         "calibration_sequences": len(ctx.calibration)}
     results["policies"] = {}
     for m, method in methods.items():
@@ -432,26 +450,24 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             log.info("%s: %s", m, chosen)
 
     for label, prompts in prompt_sets.items():
-        offline = None
+        replies = None
         for m, method in methods.items():
             online = run_online(target, method, prompts, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
                                 temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats,
                                 strict=e.strict_exact, costs=ctx)
             ar_outputs = online.pop("ar_outputs")
-            if offline is None:  # the drafter's teacher-forced metrics on these prompts' target replies
+            if replies is None:  # the drafter's teacher-forced metrics on these prompts' target replies
                 seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, ar_outputs)]
-                with Progress(f"eval {label} offline", len(seqs), "sequence") as bar:
-                    offline = offline_metrics(drafter, reply_items(target, layer_ids, seqs), B, ks, progress=bar,
-                                              methods=methods)
-                results["offline"][label] = offline
-            own = offline["methods"][m]  # the path this method proposes, teacher-forced on the same replies
+                replies = offline(reply_items(target, layer_ids, seqs, final=bool(trees)), label)
+                results["offline"][label] = replies
+            own = replies["methods"][m]  # the path this method proposes, teacher-forced on the same replies
             results["methods"][m][label] = {
                 **online,
                 "a_k_offline": own["a_k"],
-                "recall": offline["recall"],
+                "recall": replies["recall"],
                 "tau_offline": own["tau_offline"],
                 "tau_gap": own["tau_offline"] - online["tau_online"],
-                "oracle_tau": offline["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
+                "oracle_tau": replies["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
                 "prompt_ids": [p["id"] for p in prompts],
             }
     return results

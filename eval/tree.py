@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from transformers import DynamicCache
+
+from dflash_pipeline.eval.decode import ChainMethod, Proposal, RoundState, _sync
 
 DENSE_MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that honour a custom 4D float mask
 
@@ -237,3 +240,111 @@ def build_tree(expand: Expand, budget: int, max_depth: int, children: int = 8,
             depths.append(depth)
             scores.append(-neg)
     return _tree(tokens, parents, depths, scores), calls
+
+
+def walk(tree: DraftTree, truth: list[int]) -> list[int]:
+    """The nodes of the longest path from the root whose tokens are `truth`'s first tokens (teacher-forced
+    acceptance: what a greedy target that continues with `truth` would accept)."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        children.setdefault(parent, {}).setdefault(tok, i)
+    path, node = [], -1
+    for tok in truth:
+        node = children.get(node, {}).get(tok)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def ddtree_of_logits(logits: torch.Tensor, drafter, budget: int) -> DraftTree:
+    """DDTree from the drafter's logits (B-1, V or Vd) at depths 1 .. B-1: per depth the top min(budget, V)
+    log-softmax values (no depth can use more ranks than the budget)."""
+    top = torch.log_softmax(logits.float(), -1).topk(min(budget, logits.shape[-1]), -1)
+    return ddtree(top.values, drafter.to_target_ids(top.indices), budget)
+
+
+class TreeMethod(ChainMethod):
+    """A method that proposes a draft tree of `budget` nodes per round from the drafter's block (greedy only):
+    subclasses build it in `tree`. Its build time is reported as the selection time."""
+
+    def __init__(self, drafter, budget: int):
+        super().__init__(drafter)
+        self.budget = budget
+
+    def check(self, block_size: int, temperature: float) -> None:
+        if temperature > 0:
+            raise ValueError(f"{self.name} verifies its tree greedily: evaluate it with eval.temperature=0")
+
+    def tree(self, hidden: torch.Tensor, verifier_hidden: torch.Tensor, anchor: int) -> DraftTree:
+        """The tree of one block: hidden (B, H) the drafter's block states (anchor first), verifier_hidden (Ht,)
+        the target's final hidden state of the row that chose the anchor."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def propose(self, state: RoundState, block_size: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> Proposal:
+        d = self.drafter
+        device = d.norm.weight.device
+        block = torch.full((1, block_size), d.config.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = state.anchor
+        positions = torch.arange(state.anchor_pos, state.anchor_pos + block_size, device=device)
+        hidden = d.forward_step(state.new_features, state.new_positions, block, positions, self.cache)
+        _sync(device)
+        t0 = time.perf_counter()
+        tree = self.tree(hidden[0], state.verifier_hidden, state.anchor)
+        _sync(device)
+        return Proposal(tree.tokens, select_s=time.perf_counter() - t0, tree=tree)
+
+
+class DDTreeMethod(TreeMethod):
+    """The training-free DDTree baseline from the drafter's marginals."""
+
+    def __init__(self, drafter, budget: int):
+        super().__init__(drafter, budget)
+        self.name = f"ddtree_{budget}"
+
+    def tree(self, hidden, verifier_hidden, anchor):
+        return ddtree_of_logits(self.drafter.logits(hidden[1:]), self.drafter, self.budget)
+
+
+@torch.no_grad()
+def tree_offline_metrics(drafter, items: list[dict], block_size: int, methods: dict[str, TreeMethod],
+                         progress=None) -> dict:
+    """Teacher-forced acceptance of tree methods: at every anchor of `items` (with `final_hidden`), the tree each
+    method builds from the drafter's block, walked along the true tokens. Returns per method a_k (per depth),
+    tau_offline (1 + mean accepted) and nodes_per_block."""
+    from dflash_pipeline.data.blocks import pack_blocks
+    from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
+
+    device = drafter.norm.weight.device
+    accepted: dict[str, list[int]] = {m: [] for m in methods}
+    nodes: dict[str, int] = {m: 0 for m in methods}
+    valids = []
+    for it in items:
+        b = pack_blocks([it], block_size=block_size, mask_token_id=drafter.config.mask_token_id,
+                        anchors_per_sequence=None)
+        b = {k: v.to(device) for k, v in b.items()}
+        keep = b["anchor_valid"]
+        hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
+                                        keep)[keep]
+        labels, valid = b["labels"][keep], b["label_valid"][keep]
+        verifier, anchors = b["verifier_hidden"][keep].to(hidden.dtype), b["block_ids"][keep][:, 0]
+        valids.append(valid)
+        for n in range(hidden.shape[0]):
+            truth = labels[n][valid[n].long().cumprod(0).bool()].tolist()
+            for m, method in methods.items():
+                tree = method.tree(hidden[n], verifier[n], int(anchors[n]))
+                accepted[m].append(len(walk(tree, truth)))
+                nodes[m] += len(tree)
+        if progress is not None:
+            progress.update()
+    valid = torch.cat(valids)
+    out = {}
+    for m, acc in accepted.items():
+        reached = torch.tensor(acc, device=device)
+        correct = torch.arange(1, block_size, device=device)[None] <= reached[:, None]  # depth k accepted
+        a, _ = conditional_acceptance(correct, valid)
+        out[m] = {"a_k": a, "tau_offline": simulated_tau(a), "nodes_per_block": nodes[m] / max(1, len(acc)),
+                  "scorings_per_block": 0.0, "verified_hist": []}
+    return out

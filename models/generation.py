@@ -91,10 +91,12 @@ def capture(
     *,
     pad_id: int,
     topk: int = 0,
+    final: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """One prefill over right-padded sequences: per sequence the tapped hidden states (T, n*H), concatenated in
-    layer order (layer i = hidden_states[i + 1]), and optionally the target's top-k log-probs of the distribution
-    that predicted each token (row t from the logits at t-1; row 0 is zero)."""
+    layer order (layer i = hidden_states[i + 1]), optionally the target's top-k log-probs of the distribution
+    that predicted each token (row t from the logits at t-1; row 0 is zero), and with `final` its final (normed)
+    hidden states `final_hidden` (T, H), the rows its LM head reads (the Weaver's verifier input)."""
     device = model.device
     rows, width = len(sequences), max(len(s) for s in sequences)
     ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
@@ -103,11 +105,14 @@ def capture(
         ids[r, : len(s)] = torch.tensor(s, device=device)
         mask[r, : len(s)] = 1
     out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (rows, width, n*H)
+    taps = [out.hidden_states[i + 1] for i in layer_ids] or [out.last_hidden_state[..., :0]]  # no taps: width 0
+    feats = torch.cat(taps, dim=-1)  # (rows, width, n*H)
     results = []
     for r, s in enumerate(sequences):
         n = len(s)
         item = {"features": feats[r, :n]}
+        if final:
+            item["final_hidden"] = out.last_hidden_state[r, :n]
         if topk:
             logp = torch.log_softmax(model.lm_head(out.last_hidden_state[r, : n - 1]).float(), dim=-1)  # (n-1, V)
             vals, idx = logp.topk(topk, dim=-1)
@@ -117,10 +122,13 @@ def capture(
     return results
 
 
-def recapture(model, items: list[dict], layer_ids: list[int], *, pad_id: int) -> list[dict]:
+def recapture(model, items: list[dict], layer_ids: list[int], *, pad_id: int, final: bool = False) -> list[dict]:
     """Replace the stored features of teacher-style items (input_ids (T,)) with features captured now, on the CPU:
-    for training with the target in the loop, or for a drafter that taps other layers than the stored ones."""
-    outs = capture(model, [it["input_ids"].tolist() for it in items], layer_ids, pad_id=pad_id)
+    for training with the target in the loop, or for a drafter that taps other layers than the stored ones. With
+    `final`, also store the target's final hidden states (`final_hidden`, what the Weaver reads)."""
+    outs = capture(model, [it["input_ids"].tolist() for it in items], layer_ids, pad_id=pad_id, final=final)
     for it, o in zip(items, outs):
         it["features"] = o["features"].cpu()
+        if final:
+            it["final_hidden"] = o["final_hidden"].float().cpu()
     return items

@@ -54,9 +54,15 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
     for method_name, entry in methods.items():
         if entry.also_needs:  # uses another component's export too: covered by the tiny pipeline test
             continue
-        method = catalogue.make_method(method_name, drafter, {} if name == "drafter" else {name: export})
-        ids = torch.randint(0, drafter.config.vocab_size, (3, drafter.config.block_size - 1, method.top_k))
+        exports = {} if name == "drafter" else {name: export}
         hidden = torch.randn(3, drafter.config.block_size, drafter.config.hidden_size)
+        if entry.tree:  # a draft tree of the budget's size, no deeper than the block
+            tree = catalogue.make_method(method_name, drafter, exports, budget=6).tree(
+                hidden[0], torch.randn(drafter.config.target_hidden_size), 1)
+            assert len(tree) == 6 and int(tree.depths.max()) <= drafter.config.block_size - 1
+            continue
+        method = catalogue.make_method(method_name, drafter, exports)
+        ids = torch.randint(0, drafter.config.vocab_size, (3, drafter.config.block_size - 1, method.top_k))
         tokens, _ = method.path(ids, torch.randn(ids.shape), hidden, torch.tensor([1, 2, 3]))
         assert tokens.shape == (3, drafter.config.block_size - 1)
     if name != "drafter":  # the drafter's tensors travel with the component's, unchanged

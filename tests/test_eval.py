@@ -159,11 +159,12 @@ def test_mismatch_is_detected_loudly(target, prompt_ids, random_drafter, monkeyp
     real = decode.target_forward
 
     def corrupt(model, ids, positions, cache, layer_ids, last_only=False):
-        logits, feats = real(model, ids, positions, cache, layer_ids, last_only)
-        if not last_only:  # a verify forward, not the prefill
-            logits = logits.clone()
-            logits[torch.arange(len(logits)), (logits.argmax(-1) + 1) % logits.shape[-1]] = 1e4
-        return logits, feats
+        step = real(model, ids, positions, cache, layer_ids, last_only)
+        if last_only:  # the prefill
+            return step
+        logits = step.logits.clone()  # a verify forward
+        logits[torch.arange(len(logits)), (logits.argmax(-1) + 1) % logits.shape[-1]] = 1e4
+        return step._replace(logits=logits)
 
     monkeypatch.setattr(decode, "target_forward", corrupt)
     batch = [{"id": "p0", "prompt_ids": prompt_ids[0]}]

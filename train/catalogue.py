@@ -25,6 +25,7 @@ COMPONENTS = {
     "selector": "dflash_pipeline.train.selector",
     "jump": "dflash_pipeline.train.jump",
     "jump_head": "dflash_pipeline.train.jump_head",
+    "weaver": "dflash_pipeline.train.weaver",
 }
 
 
@@ -32,10 +33,12 @@ COMPONENTS = {
 class EvalMethod:
     """make(drafter, exports, policy) -> the method, exports mapping each component it uses to its trained export
     folder (the component that brings it, unless that is the drafter, and `also_needs`), policy the eval.policy
-    settings (conf/schema.py PolicyConfig)."""
+    settings (conf/schema.py PolicyConfig). A tree method (`tree`) is made once per node budget of
+    eval.tree_budgets: make(drafter, exports, policy, budget), evaluated as `<name>_<budget>`."""
 
     make: Callable
     also_needs: tuple[str, ...] = ()
+    tree: bool = False
 
 
 def module(name: str) -> ModuleType:
@@ -65,9 +68,20 @@ def method_components(name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(("drafter", owner, *entry.also_needs)))
 
 
-def make_method(name: str, drafter, exports: dict[str, Path] | None = None, policy=None):
+def evaluated_names(names, budgets) -> dict[str, tuple[str, int | None]]:
+    """{name as evaluated and reported: (catalogue method, node budget)}: a tree method once per budget."""
+    out = {}
+    for name in names:
+        if methods()[name][1].tree:
+            out.update({f"{name}_{n}": (name, int(n)) for n in budgets})
+        else:
+            out[name] = (name, None)
+    return out
+
+
+def make_method(name: str, drafter, exports: dict[str, Path] | None = None, policy=None, budget: int | None = None):
     """An eval method of the catalogue on `drafter`, with the export folders of the components it uses and the
-    eval.policy settings (default: PolicyConfig's defaults)."""
+    eval.policy settings (default: PolicyConfig's defaults); a tree method with its node budget."""
     if name not in methods():
         raise KeyError(f"unknown eval method {name!r}; available: {', '.join(sorted(methods()))}")
     if policy is None:
@@ -76,4 +90,9 @@ def make_method(name: str, drafter, exports: dict[str, Path] | None = None, poli
         from dflash_pipeline.conf.schema import PolicyConfig
 
         policy = OmegaConf.structured(PolicyConfig)
-    return methods()[name][1].make(drafter, exports or {}, policy)
+    entry = methods()[name][1]
+    if entry.tree:
+        if budget is None:
+            raise ValueError(f"{name} is a tree method: give it a node budget")
+        return entry.make(drafter, exports or {}, policy, budget)
+    return entry.make(drafter, exports or {}, policy)

@@ -19,6 +19,7 @@ from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval import policies
 from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
+from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target
@@ -253,5 +254,7 @@ METHODS = {
     "boltzmann": EvalMethod(lambda drafter, exports, policy: policies.BoltzmannMethod(drafter, policy)),
     "act": EvalMethod(lambda drafter, exports, policy: policies.ActMethod(drafter, policy)),
     "adaptive": EvalMethod(lambda drafter, exports, policy: policies.AdaptiveMethod(drafter, policy)),
+    # the training-free draft tree from the drafter's marginals (eval/tree.py), one per eval.tree_budgets entry
+    "ddtree": EvalMethod(lambda drafter, exports, policy, budget: DDTreeMethod(drafter, budget), tree=True),
 }
 

@@ -69,7 +69,8 @@ class FrozenDrafterComponent:
                         generators=None) -> dict:
         """The frozen drafter on packed blocks of `items`, real blocks only: hidden (N, B, H) post-norm (anchor
         first), cand_ids / U (N, B-1, K) its top-K target ids and logits, labels / valid (N, B-1), anchors (N,),
-        prev_true (N, B-1) the true token before each position; topk_ids / topk_logprobs when the data has them."""
+        prev_true (N, B-1) the true token before each position; topk_ids / topk_logprobs and verifier_hidden (N, H)
+        when the items have them."""
         d = self.drafter
         b = pack_blocks(items, block_size=self.block_size, mask_token_id=d.config.mask_token_id,
                         anchors_per_sequence=anchors_per_sequence, generators=generators)
@@ -86,6 +87,8 @@ class FrozenDrafterComponent:
                "prev_true": torch.cat([anchors[:, None], labels[:, :-1]], dim=1)}
         if "topk_ids" in b:
             out["topk_ids"], out["topk_logprobs"] = b["topk_ids"][keep], b["topk_logprobs"][keep]
+        if "verifier_hidden" in b:
+            out["verifier_hidden"] = b["verifier_hidden"][keep]
         return out
 
     def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:

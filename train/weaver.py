@@ -1,0 +1,215 @@
+"""The Weaver adapter as a component (models/weaver.py): trained on a frozen drafter and the frozen target,
+teacher-forced along the true path of the teacher data, it rescores each depth's pool (the drafter's top-K) given
+the path so far; at eval it grows draft trees with the modified DySpec builder (eval/tree.py: build_tree).
+
+Training needs the target's final hidden state of the row before each anchor, which the teacher data does not
+store: it is captured from the frozen target once per sequence, when the sequence is first used, and kept in memory.
+Loss: CE on the true token where it is in the pool (how often it is not is reported as `pool_miss`), plus
+weaver.kl_weight x KL and weaver.tv_weight x TV against the target's stored top-k distribution restricted to the
+pool (teacher.topk_logprobs data).
+
+Stage: train/weaver/ in the run folder. Export: the drafter's export plus `weaver.*` tensors and the adapter's
+shape under `weaver` in `dflash_config`. Eval method: weaver_tree, one per node budget of eval.tree_budgets
+(greedy verification; the training-free ddtree of train/drafter.py is its baseline).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_pipeline.conf.schema import ranged
+from dflash_pipeline.data.splits import anchor_generators
+from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
+from dflash_pipeline.eval.tree import TreeMethod, build_tree, ddtree_of_logits, walk
+from dflash_pipeline.models.generation import capture
+from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
+from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.train.errors import TrainError
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
+
+PREFIX = "weaver."
+
+
+@dataclass
+class WeaverConfig(FrozenComponentConfig):
+    """conf/weaver/: the Weaver adapter and its trees."""
+
+    top_k: int = ranged(512, ge=2)  # the candidate pool per depth: the drafter's top-K there
+    rank: int = ranged(256, ge=2)  # the adapter's width
+    num_layers: int = ranged(2, ge=1)
+    num_heads: int = ranged(4, ge=1)
+    mlp_dim: int = ranged(512, ge=1)
+    children: int = ranged(8, ge=1)  # children an expanded node publishes to the frontier
+    kl_weight: float = ranged(0.0, ge=0.0)  # x KL(target restricted to the pool || Weaver) (needs topk_logprobs)
+    tv_weight: float = ranged(0.0, ge=0.0)  # x total variation against the same
+    eval_budget: int = ranged(32, ge=1)  # node budget of the held-out tree acceptance reported while training
+    eval_blocks: int = ranged(128, ge=1)  # held-out blocks it grows trees for (the first ones)
+
+
+class WeaverComponent(FrozenDrafterComponent):
+    name = section = "weaver"
+
+    def __init__(self, cfg, inputs, device):
+        super().__init__(cfg, inputs, device)
+        o = self.own
+        if (o.kl_weight > 0 or o.tv_weight > 0) and "topk_ids" not in self.data[self.train_idx[0]]:
+            raise TrainError("weaver.kl_weight / tv_weight need teacher data with top-k log-probs: regenerate it "
+                             "with teacher.topk_logprobs=<k>, or set both to 0")
+        self.model = Weaver(self.drafter.config.hidden_size, o.rank, o.num_layers, o.num_heads, o.mlp_dim,
+                            o.top_k).to(device)
+        self.final_hidden: dict[int, torch.Tensor] = {}  # sequence index -> the target's final hidden states
+
+    # -- data: teacher items with the target's final hidden states --------------------------------------------
+    @torch.no_grad()
+    def items(self, indices: list[int]) -> list[dict]:
+        """Teacher items with `final_hidden`, captured from the frozen target the first time a sequence is used."""
+        missing = [i for i in dict.fromkeys(indices) if i not in self.final_hidden]
+        for start in range(0, len(missing), 8):
+            part = missing[start:start + 8]
+            outs = capture(self.target.model, [self.data[i]["input_ids"].tolist() for i in part], [],
+                           pad_id=self.target.tokenizer.pad_token_id, final=True)
+            for i, o in zip(part, outs):
+                self.final_hidden[i] = o["final_hidden"].float().cpu()
+        return [{**self.data[i], "final_hidden": self.final_hidden[i]} for i in indices]
+
+    def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:
+        return self.drafter_outputs(self.items(indices), self.own.top_k, self.settings.anchors_per_sequence,
+                                    anchor_generators(self.cfg.seed, step, slot0, len(indices)))
+
+    def heldout_items(self) -> list[dict]:
+        return self.items(self.heldout_idx)
+
+    # -- loss ---------------------------------------------------------------------------------------------------
+    def normaliser(self, batch: dict) -> float:
+        return float(batch["valid"].sum())
+
+    def forward_chain(self, weaver: Weaver, b: dict) -> torch.Tensor:
+        """The pool log-probs (N, B-1, K) along the true path of each block."""
+        path = torch.cat([b["anchors"][:, None], b["labels"][:, :-1]], 1)  # tokens at depths 0 .. B-2
+        lm = self.drafter.lm_head.weight
+        return weaver.chain_log_probs(b["verifier_hidden"], b["hidden"][:, 1:], self.drafter.embed_tokens(path),
+                                      b["U"], lm[b["cand_ids"]])
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        b = batch
+        logp = self.forward_chain(model, b)
+        teacher = {}
+        if "topk_ids" in b:
+            teacher = {"target_ids": b["topk_ids"], "target_logprobs": b["topk_logprobs"]}
+        return weaver_loss(logp, b["cand_ids"], b["labels"], b["valid"], **teacher, kl_weight=self.own.kl_weight,
+                           tv_weight=self.own.tv_weight)
+
+    def train_metrics(self, stats: list[dict]) -> dict:
+        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        return {"pool_miss": 1 - total["in_pool"] / max(1.0, total["positions"]),
+                "weaver_acc": total["correct"] / max(1.0, total["in_pool"]),
+                "ce_in_pool": total["ce_sum"] / max(1.0, total["in_pool"])}
+
+    # -- held-out metrics ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model) -> dict:
+        """Teacher-forced on the held-out sequences (every anchor): the Weaver's greedy path (a_k, tau_offline)
+        against the drafter's, how often the true token is outside the pool; and on the first eval_blocks blocks,
+        the accepted length of the Weaver tree and of DDTree at eval_budget nodes, walked along the true tokens."""
+        weaver = getattr(model, "module", model)
+        was_training = weaver.training
+        weaver.eval()
+        corrects, marginals, valids, hits, trees = [], [], [], [], {"weaver_tree": [], "ddtree": []}
+        budget, kept = self.own.eval_budget, 0
+        for it in self.heldout_items():
+            b = self.drafter_outputs([it], self.own.top_k, None)
+            logp = torch.cat([self.forward_chain(weaver, {k: v[i:i + 32] for k, v in b.items()})
+                              for i in range(0, b["anchors"].shape[0], 32)])  # the pool rows of 32 blocks at a time
+            pick = b["cand_ids"].gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)
+            corrects.append(pick == b["labels"])
+            marginals.append(b["cand_ids"][..., 0] == b["labels"])
+            valids.append(b["valid"])
+            hits.append((b["cand_ids"] == b["labels"][..., None]).any(-1)[b["valid"]])
+            for n in range(b["anchors"].shape[0]):
+                if kept >= self.own.eval_blocks:
+                    break
+                kept += 1
+                truth = b["labels"][n][b["valid"][n].long().cumprod(0).bool()].tolist()
+                tree = weaver_tree(weaver, self.drafter, b["verifier_hidden"][n], b["hidden"][n],
+                                   int(b["anchors"][n]), budget, self.own.children)
+                trees["weaver_tree"].append(len(walk(tree, truth)))
+                trees["ddtree"].append(len(walk(ddtree_of_logits(self.drafter.logits(b["hidden"][n, 1:]).float(),
+                                                                 self.drafter, budget), truth)))
+        weaver.train(was_training)
+        valid = torch.cat(valids)
+        a, _ = conditional_acceptance(torch.cat(corrects), valid)
+        chain, _ = conditional_acceptance(torch.cat(marginals), valid)
+        out = {"a_k": a, "tau_offline": simulated_tau(a), "chain_tau_offline": simulated_tau(chain),
+               "pool_miss": 1 - float(torch.cat(hits).float().mean())}
+        for name, accepted in trees.items():
+            out[f"{name}_tau@{budget}"] = 1 + sum(accepted) / max(1, len(accepted))
+        return out
+
+    def export(self, model, folder: Path) -> Path:
+        weaver = getattr(model, "module", model)
+        tensors = {PREFIX + k: v for k, v in weaver.state_dict().items()}
+        return self.export_with_drafter(folder, tensors, {"weaver": weaver.config_dict()},
+                                        {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps,
+                                         "parameters": weaver.num_parameters()})
+
+
+def load_weaver(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> Weaver:
+    """The Weaver of an export written by WeaverComponent.export (safetensors + config.json only)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
+               if k.startswith(PREFIX)}
+    weaver = Weaver(**config["dflash_config"]["weaver"])
+    weaver.load_state_dict(tensors, strict=True)
+    return weaver.to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def weaver_tree(weaver: Weaver, drafter, verifier_hidden: torch.Tensor, hidden: torch.Tensor, anchor: int,
+                budget: int, children: int = 8, calls: list | None = None):
+    """The Weaver tree of one block: hidden (B, H) the drafter's block states (anchor first). `calls`, when given,
+    receives the number of nodes of each Weaver call."""
+    logits = drafter.logits(hidden[1:]).float()
+    top = logits.topk(min(weaver.top_k, logits.shape[-1]), -1)
+    rnd = WeaverRound(weaver, verifier_hidden.to(hidden.dtype), hidden[1:], drafter.to_target_ids(top.indices),
+                      top.values, drafter.lm_head.weight, drafter.embed_tokens, anchor)
+    tree, sizes = build_tree(lambda nodes, t: rnd.expand(nodes, *node_fields(nodes, t, anchor), children), budget,
+                             hidden.shape[0] - 1, children, math.ceil(budget / 16))
+    if calls is not None:
+        calls.extend(sizes)
+    return tree
+
+
+def node_fields(nodes: list[int], tree, anchor: int) -> tuple[list[int], list[int], list[int]]:
+    """Tokens, parents and depths of `nodes` in a partial tree (-1: the root, the anchor at depth 0)."""
+    tokens = [anchor if n == -1 else int(tree.tokens[n]) for n in nodes]
+    parents = [-1 if n == -1 else int(tree.parents[n]) for n in nodes]
+    depths = [0 if n == -1 else int(tree.depths[n]) for n in nodes]
+    return tokens, parents, depths
+
+
+class WeaverTreeMethod(TreeMethod):
+    """Trees grown by the Weaver from the drafter's pools (docs/methods.md, 'Draft trees')."""
+
+    def __init__(self, drafter, weaver: Weaver, budget: int, children: int = 8):
+        super().__init__(drafter, budget)
+        self.weaver, self.children = weaver, children
+        self.name = f"weaver_tree_{budget}"
+
+    def tree(self, hidden, verifier_hidden, anchor):
+        return weaver_tree(self.weaver, self.drafter, verifier_hidden, hidden, anchor, self.budget, self.children)
+
+
+# The catalogue entry (train/catalogue.py).
+CONFIG = WeaverConfig
+SECTIONS = ("weaver",)
+INPUTS = ("teacher", "drafter")
+COMPONENT = WeaverComponent
+METHODS = {
+    "weaver_tree": EvalMethod(lambda drafter, exports, policy, budget: WeaverTreeMethod(
+        drafter, load_weaver(exports["weaver"], drafter.norm.weight.device), budget), tree=True),
+}
