@@ -200,15 +200,22 @@ class ChainMethod:
             q = q.new_zeros(q.shape[0], d.config.vocab_size).index_copy_(1, d.draft_to_target, q)
         return d.to_target_ids(idx), q
 
-    @torch.no_grad()
-    def propose(self, state: RoundState, block_size: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> Proposal:
+    def block_hidden(self, state: RoundState, block_size: int) -> torch.Tensor:
+        """The drafter's forward of [anchor, MASK x (B-1)] after the newly committed context enters its cache:
+        post-norm hidden states (1, B, H)."""
         d = self.drafter
         device = d.norm.weight.device
         block = torch.full((1, block_size), d.config.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = state.anchor
         positions = torch.arange(state.anchor_pos, state.anchor_pos + block_size, device=device)
-        hidden = d.forward_step(state.new_features, state.new_positions, block, positions, self.cache)  # (1, B, H)
+        return d.forward_step(state.new_features, state.new_positions, block, positions, self.cache)
+
+    @torch.no_grad()
+    def propose(self, state: RoundState, block_size: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> Proposal:
+        d = self.drafter
+        device = d.norm.weight.device
+        hidden = self.block_hidden(state, block_size)  # (1, B, H)
         if temperature <= 0:
             ids, logits = candidates(d, hidden[:, 1:], self.top_k)
             _sync(device)

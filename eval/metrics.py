@@ -80,6 +80,20 @@ def accepted_length_stats(accepted: list[int], block_size: int) -> dict:
             "accepted_hist": hist}
 
 
+def bootstrap_tau(per_prompt: list[list[int]], samples: int = 2000, seed: int = 0) -> list[float]:
+    """95% interval of tau over prompts: per_prompt[i] the accepted counts of prompt i's rounds; prompts are resampled
+    with replacement (rounds of one prompt are correlated, prompts are the independent units) and tau recomputed as
+    (accepted + rounds) / rounds over the resample. [tau, tau] with a single prompt."""
+    sums = torch.tensor([[sum(a) + len(a), len(a)] for a in per_prompt if a], dtype=torch.float64)
+    if len(sums) == 0:
+        return [0.0, 0.0]
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, len(sums), (samples, len(sums)), generator=gen)
+    total = sums[pick].sum(1)  # (samples, 2)
+    taus = (total[:, 0] / total[:, 1]).sort().values
+    return [float(taus[int(0.025 * (samples - 1))]), float(taus[int(0.975 * (samples - 1))])]
+
+
 def oracle_acceptance(top: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, ks: list[int]) -> dict[int, list[float]]:
     """a_k of an oracle that picks the right token whenever it is among the drafter's top-K: P(label in top-K at k |
     labels in top-K at every earlier position). Its simulated tau is the ceiling of any choice among the top-K."""

@@ -12,6 +12,10 @@ def _f(x, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _ci(interval) -> str:
+    return "" if not interval else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
 def markdown(results: dict) -> str:
     B = results["block_size"]
     lines = [
@@ -21,7 +25,7 @@ def markdown(results: dict) -> str:
         f"Drafter: `{results['drafter_dir']}`; up to {results['max_new_tokens']} new tokens per prompt; timing on "
         f"{results['timing']['device']} ({results['timing']['num_threads']} threads): {results['timing']['protocol']}.",
         "",
-        "| method | dataset | prompts | tokens | tau offline | tau online | oracle tau | a_1 off / on | fwd/token | "
+        "| method | dataset | prompts | tokens | tau offline | tau online [95% CI over prompts] | oracle tau | a_1 off / on | fwd/token | "
         "drafts verified/round | draft ms/round | select ms/round (share) | scorings/round | verify ms/round | "
         "AR tok/s | spec tok/s | speedup (predicted) | exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -30,7 +34,7 @@ def markdown(results: dict) -> str:
         for ds, r in per.items():
             lines.append(
                 f"| {m} | {ds} | {r['prompts']} | {r['output_tokens']} | {_f(r['tau_offline'])} | "
-                f"{_f(r['tau_online'])} | {_f(r.get('oracle_tau'))} | {_f(r['a_k_offline'][0])} / "
+                f"{_f(r['tau_online'])}{_ci(r.get('tau_online_ci95'))} | {_f(r.get('oracle_tau'))} | {_f(r['a_k_offline'][0])} / "
                 f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | "
                 f"{_f(r.get('verified_per_round'), 2)} | {_f(r['draft_ms_per_round'], 2)} | "
                 f"{_f(r['select_ms_per_round'], 2)} ({100 * r['select_fraction']:.1f}%) | "
@@ -43,6 +47,11 @@ def markdown(results: dict) -> str:
         lines += ["", f"Verify cost c(n) / c(1) on this target, measured at the start of this run: {curve}; the "
                   f"drafter's block forward {costs['draft_cost']:.2f}; one target step {costs['step_ms']:.1f} ms. "
                   "Predicted speedup = tokens / sum over rounds of (c(drafts verified + 1) + draft cost)."]
+        if costs.get("tree_cost"):
+            trees = ", ".join(f"{n} nodes: {c:.2f}" for n, c in costs["tree_cost"].items())
+            lines += ["", f"Tree verification (one forward over anchor + N nodes with the ancestor mask, greedy walk, "
+                      f"KV compaction) / a 1-token step: {trees}. For tree methods, drafts verified/round are the "
+                      "tree's nodes and select ms/round is the tree's build time (after the drafter's forward)."]
     for m, chosen in (results.get("policies") or {}).items():
         lines.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
     held = results["offline"].get("teacher_heldout")

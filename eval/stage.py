@@ -33,7 +33,7 @@ from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import chat_segments
 from dflash_pipeline.eval import report
 from dflash_pipeline.eval.decode import autoregressive, speculative
-from dflash_pipeline.eval.metrics import accepted_length_stats, offline_metrics
+from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, offline_metrics
 from dflash_pipeline.eval.policies import EvalContext, measure_costs
 from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
@@ -198,7 +198,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     ar(0, "warmup"), spec(0, "warmup")
     ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
     draft_s, verify_s, select_s, scorings, prefill_s, accepted, mismatches = [], [], [], [], [], [], []
-    ar_outputs, out_tokens, forwards, verified, drafted = [], 0, 0, [], []
+    ar_outputs, out_tokens, forwards, verified, drafted, per_prompt = [], 0, 0, [], [], []
     for i, p in enumerate(prompts):
         for r in range(repeats):
             a1, t_a1 = ar(i, 2 * r)
@@ -217,6 +217,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
                 prefill_s.append(s.prefill_s)
             if r == 0:
                 ar_outputs.append(a1)
+                per_prompt.append(s1.accepted)
                 accepted += s1.accepted
                 verified += s1.verified
                 drafted += s1.drafted
@@ -239,6 +240,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "a_k_online": stats["a_k"],
         "accepted_hist": stats["accepted_hist"],  # rounds that accepted 0 .. B-1 drafts
         "tau_online": stats["tau"],
+        "tau_online_ci95": bootstrap_tau(per_prompt),  # bootstrap over prompts
         "target_forwards_per_token": forwards / out_tokens if out_tokens else 0.0,
         "draft_ms_per_round": 1e3 * _median(draft_s),
         "verify_ms_per_round": 1e3 * _median(verify_s),

@@ -284,12 +284,8 @@ class TreeMethod(ChainMethod):
     @torch.no_grad()
     def propose(self, state: RoundState, block_size: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None) -> Proposal:
-        d = self.drafter
-        device = d.norm.weight.device
-        block = torch.full((1, block_size), d.config.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0] = state.anchor
-        positions = torch.arange(state.anchor_pos, state.anchor_pos + block_size, device=device)
-        hidden = d.forward_step(state.new_features, state.new_positions, block, positions, self.cache)
+        device = self.drafter.norm.weight.device
+        hidden = self.block_hidden(state, block_size)
         _sync(device)
         t0 = time.perf_counter()
         tree = self.tree(hidden[0], state.verifier_hidden, state.anchor)

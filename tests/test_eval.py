@@ -13,7 +13,8 @@ from dflash_pipeline.conf.schema import ConfigError
 from dflash_pipeline.conf.stages import config_hash
 from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
-from dflash_pipeline.eval.metrics import accepted_length_stats, conditional_acceptance, offline_metrics, recall_at_k, simulated_tau
+from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, conditional_acceptance, offline_metrics, \
+    recall_at_k, simulated_tau
 from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import generate
@@ -246,6 +247,20 @@ def test_offline_metrics_hand_made():
     assert stats["accepted_hist"] == [1, 1, 0, 2]
     assert stats["tau"] == pytest.approx((0 + 3 + 1 + 3 + 4) / 4)
     assert stats["a_k"] == pytest.approx([3 / 4, 2 / 3, 1.0])
+
+
+def test_bootstrap_interval_of_tau_over_prompts():
+    """The interval holds the pooled tau, spans the prompts' own taus at most, narrows as prompts agree, and is a
+    point for one prompt."""
+    spread = [[0, 0, 0], [2, 2], [1, 0, 3, 1]]
+    lo, hi = bootstrap_tau(spread)
+    tau = (sum(map(sum, spread)) + 9) / 9
+    assert 1.0 <= lo < tau < hi <= 3.0
+    same = bootstrap_tau([[1, 0, 2]] * 3)
+    assert same[0] == pytest.approx(same[1]) == pytest.approx(2.0)
+    many = bootstrap_tau(spread * 10)
+    assert many[1] - many[0] < hi - lo
+    assert bootstrap_tau([[3, 1]]) == [3.0, 3.0]
 
 
 def test_offline_metrics_on_known_predictions(random_drafter):

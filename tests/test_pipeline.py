@@ -43,16 +43,19 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
     """teacher -> drafter -> every component of pipeline.components -> eval of every method, each exact; a rerun
     skips everything; a changed selector setting retrains the selector and reruns the eval, nothing else."""
     cfg = make_config()
-    assert {str(c) for c in cfg.pipeline.components} == {"selector", "jump", "jump_head"}
+    assert {str(c) for c in cfg.pipeline.components} == {"selector", "jump", "jump_head", "weaver"}
     out = run_stages(cfg, tmp_path, ["teacher", "components", "eval"])
     assert (out["teacher"] / "manifest.json").is_file()
-    for stage in ("train", "train/selector", "train/jump", "train/jump_head"):
+    for stage in ("train", "train/selector", "train/jump", "train/jump_head", "train/weaver"):
         assert (out[stage] / "export" / "config.json").is_file()
     results = json.loads((out["eval"] / "eval_results.json").read_text())
     assert set(results["methods"]) == {"chain", "selector_greedy", "selector_viterbi", "jump", "jump_selector",
                                        "jump_head", "jump_head_selector", "mobs", "bmobs", "boltzmann", "act",
-                                       "adaptive"}
+                                       "adaptive", "ddtree_4", "ddtree_8", "weaver_tree_4", "weaver_tree_8"}
     assert {"boltzmann", "act", "adaptive", "bmobs"} <= set(results["policies"]) and results["costs"]["verify_cost"]
+    assert set(results["costs"]["tree_cost"]) == {"4", "8"}
+    for tree in ("ddtree_8", "weaver_tree_8"):  # every round verifies the whole tree
+        assert all(r["verified_per_round"] == 8 for r in results["methods"][tree].values())
     for method, per in results["methods"].items():
         for ds, r in per.items():
             assert r["exact"] is True and r["mismatches"] == [], (method, ds)

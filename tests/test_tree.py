@@ -13,7 +13,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dflash_pipeline.eval.decode import _accept_greedy, autoregressive, crop_cache, target_forward
-from dflash_pipeline.eval.tree import DraftTree, ancestor_mask, build_tree, ddtree, verify_tree
+from dflash_pipeline.eval.tree import DDTreeMethod, DraftTree, TreeMethod, ancestor_mask, build_tree, ddtree, \
+    verify_tree
 from tests.conftest import chat_prompt_ids
 
 TEXT = "Write a haiku about the sea."
@@ -288,3 +289,68 @@ def test_builder_stops_when_the_frontier_runs_dry():
 
     tree, sizes = build_tree(one_child, 16, 3)
     assert tree.tokens.tolist() == [7, 7, 7] and tree.parents.tolist() == [-1, 0, 1] and sizes == [1, 1, 1]
+
+
+# -- tree methods in the speculative loop ------------------------------------------------------------------------------
+def untrained_drafter(target, layer_ids: list[int]):
+    """A random drafter (block 4) on the case's target."""
+    from dflash_pipeline.models.drafter import DFlashDrafter
+    from dflash_pipeline.train.drafter import drafter_config
+    from tests.conftest import make_config
+
+    torch.manual_seed(0)
+    m = target.model
+    cfg = make_config(f"drafter.mask_token_id={m.config.vocab_size - 1}")
+    return DFlashDrafter(drafter_config(cfg, target, layer_ids), m.get_input_embeddings(),
+                         m.get_output_embeddings()).eval()
+
+
+class OracleTree(TreeMethod):
+    """Hides the target's greedy continuation among decoys (a wrong sibling first at every depth), so each round
+    accepts the tree's full depth: the loop's commit (tokens, drafter features, the verifier's state for the next
+    round) is exercised at full acceptance."""
+
+    name = "oracle_tree"
+
+    def __init__(self, drafter, continuation: list[int]):
+        super().__init__(drafter, budget=0)
+        self.continuation, self.verifier_states, self.output = continuation, [], []
+
+    def propose(self, state, block_size, temperature=0.0, generator=None):
+        self.output = state.output
+        return super().propose(state, block_size, temperature, generator)
+
+    def tree(self, hidden, verifier_hidden, anchor):
+        self.verifier_states.append(verifier_hidden)
+        done = len(self.output)  # output[-1] is the anchor
+        assert self.continuation[done - 1] == anchor
+        true = self.continuation[done: done + hidden.shape[0]]  # what follows the anchor
+        tree, _ = decoy_tree(true, hidden.shape[0] - 1, self.drafter.config.vocab_size)
+        return tree
+
+
+def test_tree_methods_decode_exactly_in_the_speculative_loop(case):
+    """DDTree, a random Weaver's tree and an oracle tree, in `speculative`: output equal to greedy decoding; every
+    round verifies the whole tree; the oracle's rounds accept the tree's full depth, and each round's verifier state
+    is the target's final hidden state of the row that chose its anchor."""
+    from dflash_pipeline.eval.decode import speculative
+    from dflash_pipeline.models.weaver import Weaver
+    from dflash_pipeline.train.weaver import WeaverTreeMethod
+
+    target, prompt, layer_ids = case
+    drafter = untrained_drafter(target, layer_ids)
+    ar, _ = autoregressive(target, prompt, 40)
+    weaver = Weaver(drafter.config.hidden_size, rank=16, num_layers=1, num_heads=2, mlp_dim=32, top_k=16)
+    torch.nn.init.normal_(weaver.query.weight)
+    for method in (DDTreeMethod(drafter, 6), WeaverTreeMethod(drafter, weaver.eval(), 6, children=3)):
+        res = speculative(target, method, prompt, 20)
+        assert res.tokens == ar[:20], method.name
+        assert set(res.verified) == {6} and max(res.accepted) <= 3
+    oracle = OracleTree(drafter, ar)
+    res = speculative(target, oracle, prompt, 20)
+    assert res.tokens == ar[:20]
+    assert res.accepted[:-1] == [3] * (len(res.accepted) - 1)
+    out = target.model(input_ids=torch.tensor([prompt + ar[:20]]), output_hidden_states=True)
+    final = out.hidden_states[-1][0]
+    for r, state in enumerate(oracle.verifier_states):  # round r's anchor is output token 4r, chosen at that row - 1
+        torch.testing.assert_close(state, final[len(prompt) + 4 * r - 1], atol=1e-4, rtol=1e-4)

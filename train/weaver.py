@@ -15,6 +15,7 @@ shape under `weaver` in `dflash_config`. Eval method: weaver_tree, one per node 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
 
 PREFIX = "weaver."
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +65,8 @@ class WeaverComponent(FrozenDrafterComponent):
         self.model = Weaver(self.drafter.config.hidden_size, o.rank, o.num_layers, o.num_heads, o.mlp_dim,
                             o.top_k).to(device)
         self.final_hidden: dict[int, torch.Tensor] = {}  # sequence index -> the target's final hidden states
+        log.info("weaver: %d parameters (rank %d, %d layers, pool %d)", self.model.num_parameters(), o.rank,
+                 o.num_layers, o.top_k)
 
     # -- data: teacher items with the target's final hidden states --------------------------------------------
     @torch.no_grad()
