@@ -16,8 +16,8 @@ Output of a node at depth t, over the pool of depth t + 1 (the drafter's top-K t
     logit(c) = drafter logit(c) + < W_lm[c], Q out_norm(x) >,   log-softmax over the pool
 
 W_lm: the target's LM-head rows of the candidates (frozen), Q: `query` (rank -> H). Nothing projects onto the full
-vocabulary: per round the pool rows are projected once, W_lm[c] Q (K x rank), and each node costs K x rank.
-`query` starts at zero, so an untrained Weaver scores exactly as the drafter's marginals.
+vocabulary: a node reads only its pool's K rows of W_lm. `query` starts at zero, so an untrained Weaver scores
+exactly as the drafter's marginals.
 
 Shapes: N rows (blocks or rounds), B block size, H target/drafter hidden, T nodes, M earlier nodes (memory),
 K pool size per depth, d = rank.
@@ -127,14 +127,12 @@ class Weaver(nn.Module):
 
     # ---- scores over the pool ----
 
-    def pool_weights(self, lm_rows: torch.Tensor) -> torch.Tensor:
-        """W_lm[c] Q for pool rows (..., K, H) -> (..., K, d): computed once per pool, then K x d per node."""
-        return lm_rows.to(self.query.weight.dtype) @ self.query.weight
-
-    def log_probs(self, out: torch.Tensor, pool_logits: torch.Tensor, pool_weights: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities over each node's pool: out (..., d), pool_logits (..., K) the drafter's logits of the
-        pool, pool_weights (..., K, d)."""
-        residual = (pool_weights @ out.unsqueeze(-1)).squeeze(-1)
+    def log_probs(self, out: torch.Tensor, pool_logits: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over each node's pool: out (..., d) = out_norm(x), pool_logits (..., K) the drafter's
+        logits of the pool, lm_rows (..., K, H) the target's LM-head rows of the pool. The residual is
+        W_lm[c] . (Q out): K x H + H x d per node, which on a CPU beats projecting the pool through Q once per round
+        (K x H x d per depth) at the node counts of a tree."""
+        residual = (lm_rows.to(out.dtype) @ self.query(out).unsqueeze(-1)).squeeze(-1)
         return torch.log_softmax(pool_logits.float() + residual.float(), -1)
 
     def chain_log_probs(self, verifier_hidden: torch.Tensor, drafter_hidden: torch.Tensor, embeddings: torch.Tensor,
@@ -147,8 +145,7 @@ class Weaver(nn.Module):
         depths = torch.arange(T, device=embeddings.device).expand(N, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=embeddings.device).tril().expand(N, T, T)
         out, _ = self.nodes(embeddings, depths, kv, None, causal)
-        residual = (lm_rows.to(out.dtype) @ self.query(out).unsqueeze(-1)).squeeze(-1)  # saves no (.., K, d) copy
-        return torch.log_softmax(pool_logits.float() + residual.float(), -1)
+        return self.log_probs(out, pool_logits, lm_rows)
 
 
 def weaver_loss(log_probs: torch.Tensor, pool_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
@@ -191,10 +188,10 @@ class WeaverRound:
     def __init__(self, weaver: Weaver, verifier_hidden: torch.Tensor, drafter_hidden: torch.Tensor,
                  pool_ids: torch.Tensor, pool_logits: torch.Tensor, lm_weight: torch.Tensor, embed: nn.Module,
                  anchor: int):
-        self.weaver, self.embed, self.anchor = weaver, embed, anchor
+        self.weaver, self.embed, self.anchor, self.lm_weight = weaver, embed, anchor, lm_weight
         self.pool_ids, self.pool_logits = pool_ids, pool_logits
         self.prefix_kv = weaver.prefix(verifier_hidden[None], drafter_hidden[None])
-        self.pool_w = weaver.pool_weights(lm_weight[pool_ids])  # (B-1, K, d)
+        self.lm_rows: dict[int, torch.Tensor] = {}  # depth row -> the pool's LM-head rows (K, H), when first used
         self.memory: list[tuple] | None = None  # per block: K/V (1, h, M, Dh) of the expanded nodes
         self.ancestors: dict[int, list[int]] = {}  # node -> memory rows of its ancestors and itself
         self.calls: list[int] = []  # nodes per Weaver call
@@ -221,6 +218,11 @@ class WeaverRound:
                                                        for mem, kv in zip(self.memory, own)]
         self.calls.append(w)
         rows = depth[0]  # a node at depth t scores the pool of depth t + 1, row t
-        logp = self.weaver.log_probs(out[0], self.pool_logits[rows], self.pool_w[rows])  # (w, K)
+        logp = torch.empty(w, self.pool_ids.shape[-1], device=device)
+        for t in rows.unique().tolist():  # one matmul per depth over the pool's rows, no copy per node
+            if t not in self.lm_rows:
+                self.lm_rows[t] = self.lm_weight.index_select(0, self.pool_ids[t])
+            at = rows == t
+            logp[at] = self.weaver.log_probs(out[0, at], self.pool_logits[t], self.lm_rows[t][None]).float()
         best = logp.topk(min(children, logp.shape[-1]), -1)
         return self.pool_ids[rows].gather(-1, best.indices), best.values
