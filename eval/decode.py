@@ -172,8 +172,12 @@ class ChainMethod:
     def start(self) -> None:
         self.cache = self.drafter.new_cache()
 
+    greedy_only = False  # True: the method has no sampling distribution q, so speculative sampling cannot run it
+
     def check(self, block_size: int, temperature: float) -> None:
         """Raise ValueError when the method cannot run at this block size / temperature (before any decoding)."""
+        if self.greedy_only and temperature > 0:
+            raise ValueError(f"{self.name} decodes greedily only: evaluate it with eval.temperature=0")
 
     def prepare(self, ctx) -> dict:
         """Called once per eval run before decoding, with the run's EvalContext (eval/policies.py: the target's

@@ -125,14 +125,6 @@ def predicted_speedup(tau: float, verified_hist: list[int], ctx: EvalContext) ->
     return tau / cost if cost else 0.0
 
 
-class GreedyPolicy(ChainMethod):
-    """A policy that chooses drafts or verify lengths for greedy verification only (no sampling distribution q)."""
-
-    def check(self, block_size: int, temperature: float) -> None:
-        if temperature > 0:
-            raise ValueError(f"{self.name} is a greedy decoding policy: evaluate it with eval.temperature=0")
-
-
 # -- Boltzmann -----------------------------------------------------------------------------------------------------
 _GOLDEN = 0x9E3779B97F4A7C15 % (1 << 62)  # spreads position indices over the hash's bits (fits int64)
 
@@ -178,10 +170,11 @@ def _context_or_anchor(context: torch.Tensor | None, anchors: torch.Tensor) -> t
     return anchors[:, None] if context is None else context
 
 
-class BoltzmannMethod(GreedyPolicy):
+class BoltzmannMethod(ChainMethod):
     """Training-free: each position draws its draft from its own top-K by a hashed Gumbel-max (boltzmann_scores)."""
 
     name = "boltzmann"
+    greedy_only = True
 
     def __init__(self, drafter, policy):
         super().__init__(drafter)
@@ -285,9 +278,11 @@ def _both_sides(trans, cand, U, hidden, anchors, chosen, t, left_known):
     return s
 
 
-class MiddleOutMethod(GreedyPolicy):
+class MiddleOutMethod(ChainMethod):
     """MOBS (middle-out block selection) with the trained pair selector; `boltzmann` picks the centre by the
     Boltzmann rule first (BMOBS)."""
+
+    greedy_only = True
 
     def __init__(self, drafter, selector: PairSelector, policy, boltzmann: bool = False):
         super().__init__(drafter)
@@ -327,8 +322,10 @@ def gated_length(U: torch.Tensor, threshold: float) -> torch.Tensor:
     return sure.long().cumprod(-1).sum(-1)
 
 
-class ActMethod(GreedyPolicy):
+class ActMethod(ChainMethod):
     """The drafter's argmax path, verified only up to the first position whose margin is below the threshold."""
+
+    greedy_only = True
 
     name = "act"
     top_k = 2
@@ -365,11 +362,13 @@ def best_length(acceptance: list[float], ctx: EvalContext, least: int = 0) -> tu
     return best, best_ratio
 
 
-class AdaptiveMethod(GreedyPolicy):
+class AdaptiveMethod(ChainMethod):
     """The verify length of each round from running per-position acceptance and the measured cost curve
     (best_length). When no length pays, rounds skip the drafter entirely (one target step each, as autoregressive
     decoding) and only every `probe_every`-th round drafts to refresh the estimates, so a useless drafter costs little
     over autoregressive decoding. policy.adaptive=False keeps the fixed block (the plain chain)."""
+
+    greedy_only = True
 
     name = "adaptive"
 

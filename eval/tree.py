@@ -268,13 +268,11 @@ class TreeMethod(ChainMethod):
     """A method that proposes a draft tree of `budget` nodes per round from the drafter's block (greedy only):
     subclasses build it in `tree`. Its build time is reported as the selection time."""
 
+    greedy_only = True  # the walk follows the target's argmax
+
     def __init__(self, drafter, budget: int):
         super().__init__(drafter)
         self.budget = budget
-
-    def check(self, block_size: int, temperature: float) -> None:
-        if temperature > 0:
-            raise ValueError(f"{self.name} verifies its tree greedily: evaluate it with eval.temperature=0")
 
     def tree(self, hidden: torch.Tensor, verifier_hidden: torch.Tensor, anchor: int) -> DraftTree:
         """The tree of one block: hidden (B, H) the drafter's block states (anchor first), verifier_hidden (Ht,)
@@ -341,6 +339,5 @@ def tree_offline_metrics(drafter, items: list[dict], block_size: int, methods: d
         reached = torch.tensor(acc, device=device)
         correct = torch.arange(1, block_size, device=device)[None] <= reached[:, None]  # depth k accepted
         a, _ = conditional_acceptance(correct, valid)
-        out[m] = {"a_k": a, "tau_offline": simulated_tau(a), "nodes_per_block": nodes[m] / max(1, len(acc)),
-                  "scorings_per_block": 0.0, "verified_hist": []}
+        out[m] = {"a_k": a, "tau_offline": simulated_tau(a), "nodes_per_block": nodes[m] / max(1, len(acc))}
     return out

@@ -102,6 +102,8 @@ class JumpComponent(FrozenDrafterComponent):
 class JumpMethod(ChainMethod):
     """Drafts guided by the jump heads: confident offsets fixed at the heads' choice, the rest the argmax."""
 
+    greedy_only = True
+
     def __init__(self, drafter, heads: JumpHeads, margin: float, weight: float, top_k: int = 16,
                  selector: PairSelector | None = None):
         super().__init__(drafter)
@@ -115,8 +117,7 @@ class JumpMethod(ChainMethod):
         if block_size != self.heads.block_size:
             raise ValueError(f"the jump heads were trained for block {self.heads.block_size}; evaluate them at "
                              f"eval.block_size={self.heads.block_size}")
-        if temperature > 0:
-            raise ValueError("the jump methods decode greedily only: evaluate them with eval.temperature=0")
+        super().check(block_size, temperature)
 
     def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
         self.check(hidden.shape[1], 0.0)

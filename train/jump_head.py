@@ -103,6 +103,8 @@ class JumpHeadComponent(FrozenDrafterComponent):
 class JumpHeadMethod(ChainMethod):
     """Drafts guided by the separate head: confident offsets fixed at its argmax, the gaps filled as for `jump`."""
 
+    greedy_only = True
+
     def __init__(self, drafter, head: SeparateJumpHead, margin: float, top_k: int = 16,
                  selector: PairSelector | None = None):
         super().__init__(drafter)
@@ -116,8 +118,7 @@ class JumpHeadMethod(ChainMethod):
         if block_size != self.head.block_size:
             raise ValueError(f"the jump head was trained for block {self.head.block_size}; evaluate it at "
                              f"eval.block_size={self.head.block_size}")
-        if temperature > 0:
-            raise ValueError("the jump_head methods decode greedily only: evaluate them with eval.temperature=0")
+        super().check(block_size, temperature)
 
     def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
         self.check(hidden.shape[1], 0.0)

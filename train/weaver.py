@@ -72,14 +72,15 @@ class WeaverComponent(FrozenDrafterComponent):
     @torch.no_grad()
     def items(self, indices: list[int]) -> list[dict]:
         """Teacher items with `final_hidden`, captured from the frozen target the first time a sequence is used."""
-        missing = [i for i in dict.fromkeys(indices) if i not in self.final_hidden]
+        items = {i: self.data[i] for i in indices}  # each sequence read once
+        missing = [i for i in items if i not in self.final_hidden]
         for start in range(0, len(missing), 8):
             part = missing[start:start + 8]
-            outs = capture(self.target.model, [self.data[i]["input_ids"].tolist() for i in part], [],
+            outs = capture(self.target.model, [items[i]["input_ids"].tolist() for i in part], [],
                            pad_id=self.target.tokenizer.pad_token_id, final=True)
             for i, o in zip(part, outs):
                 self.final_hidden[i] = o["final_hidden"].float().cpu()
-        return [{**self.data[i], "final_hidden": self.final_hidden[i]} for i in indices]
+        return [{**items[i], "final_hidden": self.final_hidden[i]} for i in indices]
 
     def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:
         return self.drafter_outputs(self.items(indices), self.own.top_k, self.settings.anchors_per_sequence,
