@@ -122,3 +122,12 @@ def test_jump_kl_without_teacher_top_k_is_refused(tiny_drafter_run, tmp_path):
     with pytest.raises(TrainError, match=r"jump.kl_weight=0.5 needs teacher data with top-k log-probs"):
         run_train(make_config("jump.kl_weight=0.5", "teacher.topk_logprobs=0"), tmp_path / "jump", data_dir=teacher,
                   component="jump", drafter_dir=tiny_drafter_run / "export")
+
+
+def test_a_weaver_shape_the_settings_cannot_build_is_one_line(tiny_teacher, tiny_drafter_run, tmp_path):
+    from dflash_pipeline.train.errors import TrainError
+
+    with pytest.raises(TrainError, match=r"weaver.num_heads 3 must divide weaver.rank 16 .*fix the weaver"):
+        run_train(make_config("weaver.num_heads=3"), tmp_path / "weaver", data_dir=tiny_teacher, component="weaver",
+                  drafter_dir=tiny_drafter_run / "export")
+    assert not (tmp_path / "weaver" / "export").exists()

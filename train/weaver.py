@@ -62,8 +62,11 @@ class WeaverComponent(FrozenDrafterComponent):
         if (o.kl_weight > 0 or o.tv_weight > 0) and "topk_ids" not in self.data[self.train_idx[0]]:
             raise TrainError("weaver.kl_weight / tv_weight need teacher data with top-k log-probs: regenerate it "
                              "with teacher.topk_logprobs=<k>, or set both to 0")
-        self.model = Weaver(self.drafter.config.hidden_size, o.rank, o.num_layers, o.num_heads, o.mlp_dim,
-                            o.top_k).to(device)
+        try:
+            self.model = Weaver(self.drafter.config.hidden_size, o.rank, o.num_layers, o.num_heads, o.mlp_dim,
+                                o.top_k).to(device)
+        except ValueError as err:  # a shape the settings cannot build
+            raise TrainError(f"{err}: fix the weaver.* settings") from err
         self.final_hidden: dict[int, torch.Tensor] = {}  # sequence index -> the target's final hidden states
         log.info("weaver: %d parameters (rank %d, %d layers, pool %d)", self.model.num_parameters(), o.rank,
                  o.num_layers, o.top_k)
