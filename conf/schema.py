@@ -202,11 +202,14 @@ class TrainerConfig:
     batch_sequences: int = ranged(8, ge=1)  # global batch (all processes, all micro-batches) of sequences per step
     grad_accum: int = ranged(1, ge=1)  # micro-batches per process per step
     anchors_per_sequence: int = ranged(48, ge=1)
+    feature_noise: float = ranged(0.0, ge=0.0)  # drafter: Gaussian noise on the target features, x their RMS
     loss: Loss = Loss.decay
     gamma: Optional[float] = ranged(None, gt=0.0)  # decay constant; None: from the block size (7 for 16, 4 for 8)
     dpace_alpha: float = ranged(0.5, ge=0.0, le=1.0)
     draft_vocab_size: Optional[int] = ranged(None, ge=1)  # None: full vocabulary
     heldout_samples: int = ranged(16, ge=1)  # teacher sequences kept out of training for held-out metrics
+    # train on this many teacher sequences only (nested subsets, same held-out split); None: all but the held-out
+    train_samples: Optional[int] = ranged(None, ge=1)
     # None: whatever the launcher says (`accelerate launch --mixed_precision` / its config file; "no" without one);
     # a value here overrides the launcher.
     mixed_precision: Optional[MixedPrecision] = None

@@ -16,12 +16,15 @@ def step_seed(*parts) -> int:
     return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
 
 
-def split_heldout(ids: list[str], num_heldout: int) -> tuple[list[int], list[int]]:
-    """Deterministic train / held-out indices by id hash: the same samples are held out on every run."""
+def split_heldout(ids: list[str], num_heldout: int, num_train: int | None = None) -> tuple[list[int], list[int]]:
+    """Deterministic train / held-out indices by id hash: the same samples are held out on every run.
+
+    num_train: train on only the next num_train samples in hash order (None: all the rest). Smaller subsets are
+    nested in larger ones and share the held-out split, which is what a data-scaling curve compares."""
     order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())
     held = sorted(order[:num_heldout])
-    held_set = set(held)
-    return [i for i in range(len(ids)) if i not in held_set], held
+    rest = order[num_heldout:] if num_train is None else order[num_heldout: num_heldout + num_train]
+    return sorted(rest), held
 
 
 @functools.lru_cache(maxsize=4)

@@ -79,7 +79,8 @@ def sample_seed(seed: int, sample_id: str, turn: int) -> int:
 # -- one shard -------------------------------------------------------------------------------------------------
 def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, progress: Progress | None = None
                ) -> list[dict]:
-    """Regenerate the assistant turns of `convs` in batches; returns samples with input_ids and loss_mask.
+    """Regenerate the assistant turns of `convs` (turn by turn, each turn one continuously batched generation of
+    every sample that has it); returns samples with input_ids and loss_mask.
 
     progress: counts each conversation as done in equal parts as its replies finish (inside a generation batch),
     and the generated tokens as "gen tok".
@@ -105,25 +106,27 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
             s["input_ids"] += seg
             s["loss_mask"] += [0] * len(seg)
             todo.append(s)
-        todo.sort(key=lambda s: len(s["input_ids"]))  # length bucketing: little padding per batch
-        for batch in budget_batches(todo, t.batch_size, t.prefill_batch_tokens):
-            gens = None
-            if t.temperature > 0:
-                gens = [torch.Generator().manual_seed(sample_seed(seed, s["id"], turn)) for s in batch]
+        todo.sort(key=lambda s: len(s["input_ids"]))  # length order: admitted neighbours carry little padding
+        if not todo:
+            continue
+        gens = None
+        if t.temperature > 0:
+            gens = [torch.Generator().manual_seed(sample_seed(seed, s["id"], turn)) for s in todo]
 
-            def on_step(new_tokens: int, finished: list[int], batch=batch) -> None:
-                progress.add("gen tok", new_tokens)
-                part = sum(1 / len(batch[r]["segments"]) for r in finished)
-                counted[0] += part
-                progress.update(part)
+        def on_step(new_tokens: int, finished: list[int], todo=todo) -> None:
+            progress.add("gen tok", new_tokens)
+            part = sum(1 / len(todo[r]["segments"]) for r in finished)
+            counted[0] += part
+            progress.update(part)
 
-            replies = generate(target.model, [s["input_ids"] for s in batch], max_new_tokens=t.max_new_tokens,
-                               eos_ids=eos_ids, pad_id=tok.pad_token_id, temperature=t.temperature,
-                               top_p=t.top_p, generators=gens, on_step=on_step if progress else None)
-            for s, r in zip(batch, replies):
-                s["input_ids"] += r
-                s["loss_mask"] += [1] * len(r)
-                s["num_turns"] += 1
+        replies = generate(target.model, [s["input_ids"] for s in todo], max_new_tokens=t.max_new_tokens,
+                           eos_ids=eos_ids, pad_id=tok.pad_token_id, temperature=t.temperature, top_p=t.top_p,
+                           generators=gens, on_step=on_step if progress else None, batch_size=t.batch_size,
+                           prefill_tokens=t.prefill_batch_tokens)
+        for s, r in zip(todo, replies):
+            s["input_ids"] += r
+            s["loss_mask"] += [1] * len(r)
+            s["num_turns"] += 1
     if progress is not None:  # turns skipped for want of context room, and conversations without a turn
         progress.update(len(samples) - counted[0])
     return samples

@@ -1,7 +1,8 @@
 """What the teacher asks of the frozen target: batched generation and feature capture.
 
-`generate` is a plain KV-cache decode loop rather than `model.generate`, for two reasons measured or required here:
-rows that finish (EOS or length) leave the batch at once, so a long reply does not keep paying for the short ones;
+`generate` is a plain KV-cache decode loop with continuous batching rather than `model.generate`, for reasons
+measured or required here: rows that finish (EOS or length) leave the batch at once and queued prompts take their
+place, so the batch stays full and a long reply does not keep paying for the short ones (scripts/bench_teacher.py);
 and each row samples from its own seeded generator, so a sample's output does not depend on which other samples
 share its batch (needed for a crash-resumed run to equal an uninterrupted one).
 """
@@ -26,6 +27,49 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generators: li
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
 
+def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of left-padded prompts: every row's next token goes in the same column."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, device=device)
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
+def _merge(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor
+           ) -> torch.Tensor:
+    """Append the rows of `other` (a separately prefilled batch) to `cache`, left-padding the narrower one so every
+    row's next token stays in the last column; returns the merged attention mask. Keys are stored already rotated
+    and positions are passed explicitly, so padding columns change nothing but the mask."""
+    width = max(mask.shape[1], other_mask.shape[1])
+
+    def pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - x.shape[dim]
+        if not missing:
+            return x
+        shape = list(x.shape)
+        shape[dim] = missing
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    for mine, theirs in zip(cache.layers, other.layers):
+        mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)])
+        mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)])
+    return torch.cat([pad(mask, 1), pad(other_mask, 1)])
+
+
+def _trim(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop leading columns that are padding in every row (left behind by rows that finished)."""
+    used = mask.any(0).nonzero()
+    first = int(used[0]) if len(used) else mask.shape[1]
+    if first:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+        mask = mask[:, first:]
+    return mask
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -38,48 +82,88 @@ def generate(
     top_p: float = 1.0,
     generators: list[torch.Generator] | None = None,
     on_step: Callable[[int, list[int]], None] | None = None,
+    batch_size: int | None = None,
+    prefill_tokens: int | None = None,
 ) -> list[list[int]]:
-    """Continue each prompt until an EOS id (kept) or max_new_tokens. Left padding, one forward per step.
+    """Continue each prompt until an EOS id (kept) or max_new_tokens, decoding up to `batch_size` rows together.
 
-    on_step(new_tokens, finished_rows): called after every decode step with the number of tokens it produced and
-    the prompt indices whose reply ended there (for progress reporting as rows finish).
+    Continuous batching: prompts are admitted from a queue in the given order (sort them by length for little
+    padding); a row leaves the decode batch the step its reply ends, and once a quarter of the rows are free the
+    next prompts are prefilled together (at most `prefill_tokens` = rows x longest prompt, one row always fits)
+    and merged into the running batch. So the ragged tail of a batch no longer decodes a few rows at a time, and
+    a sample's reply does not depend on which others share its batch (its own generator; left padding with
+    explicit positions). batch_size None: all prompts in one batch.
+
+    on_step(new_tokens, finished_rows): called after every decode step (and admission) with the number of tokens
+    it produced and the prompt indices whose reply ended there (for progress reporting as rows finish).
     """
     device = model.device
-    rows = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((rows, width), dtype=torch.long, device=device)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, device=device)
-        mask[r, width - len(p):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1)
-    next_pos = mask.sum(-1)  # (rows,) position of the next token per row
-    active = list(range(rows))  # original row index of each live batch row
-    results: list[list[int]] = [[] for _ in range(rows)]
+    batch_size = batch_size or len(prompts)
+    refill_at = max(1, batch_size // 4)  # free rows that trigger an admission
+    queue = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
     eos = torch.tensor(sorted(eos_ids), device=device)
-    for step in range(max_new_tokens):
-        gens = [generators[r] for r in active] if generators else None
-        tokens = _pick(out.logits[:, -1], temperature, top_p, gens)  # (live,)
-        for r, t in zip(active, tokens.tolist()):
+    results: list[list[int]] = [[] for _ in prompts]
+    cache, mask, active = None, None, []  # active: prompt index of each decode row
+    tokens = next_pos = None  # per decode row: the token to feed next and its position
+
+    def pick(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, list[bool]]:
+        """The next token of each row, appended to its reply; whether the row goes on."""
+        gens = [generators[r] for r in rows] if generators else None
+        picked = _pick(logits, temperature, top_p, gens)
+        for r, t in zip(rows, picked.tolist()):
             results[r].append(t)
-        keep = ~torch.isin(tokens, eos)
-        last = step + 1 == max_new_tokens or not keep.any()
+        goes_on = ~torch.isin(picked, eos) & torch.tensor([len(results[r]) < max_new_tokens for r in rows],
+                                                          device=device)
+        return picked, goes_on.tolist()
+
+    def report(new: int, rows: list[int], goes_on: list[bool]) -> None:
         if on_step:
-            on_step(len(active), active if last else [r for r, k in zip(active, keep.tolist()) if not k])
-        if last:
-            break
-        if not keep.all():
-            idx = keep.nonzero().squeeze(-1)
-            cache.batch_select_indices(idx)
-            active = [active[i] for i in idx.tolist()]
-            tokens, mask, next_pos = tokens[idx], mask[idx], next_pos[idx]
+            on_step(new, [r for r, g in zip(rows, goes_on) if not g])
+
+    while queue or active:
+        if queue and (not active or batch_size - len(active) >= refill_at):
+            free, new = batch_size - len(active), [queue.pop()]
+            while queue and len(new) < free and (len(new) + 1) * len(prompts[queue[-1]]) <= (prefill_tokens or 1 << 62):
+                new.append(queue.pop())
+            ids, new_mask = _left_pad([prompts[r] for r in new], pad_id, device)
+            new_cache = DynamicCache()
+            out = model(input_ids=ids, attention_mask=new_mask, position_ids=(new_mask.cumsum(-1) - 1).clamp(min=0),
+                        cache=new_cache, use_cache=True, logits_to_keep=1)
+            picked, goes_on = pick(out.logits[:, -1], new)
+            report(len(new), new, goes_on)
+            keep = [i for i, g in enumerate(goes_on) if g]
+            if keep:
+                idx = torch.tensor(keep, device=device)
+                if len(keep) < len(new):
+                    new_cache.batch_select_indices(idx)
+                new_mask, new_pos = new_mask[idx], new_mask[idx].sum(-1)
+                if cache is None:
+                    cache, mask, tokens, next_pos = new_cache, new_mask, picked[idx], new_pos
+                else:
+                    mask = _merge(cache, mask, new_cache, new_mask)
+                    tokens, next_pos = torch.cat([tokens, picked[idx]]), torch.cat([next_pos, new_pos])
+                active += [new[i] for i in keep]
+            if queue and batch_size - len(active) >= refill_at:
+                continue  # the prefill budget stopped the admission: admit more before decoding
+        if not active:
+            continue
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                     cache=cache, use_cache=True)
+        rows = active
+        picked, goes_on = pick(out.logits[:, -1], rows)
+        report(len(rows), rows, goes_on)
         next_pos = next_pos + 1
+        if not all(goes_on):
+            keep = [i for i, g in enumerate(goes_on) if g]
+            active = [rows[i] for i in keep]
+            if not active:
+                cache = mask = tokens = next_pos = None
+                continue
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            mask, picked, next_pos = _trim(cache, mask[idx]), picked[idx], next_pos[idx]
+        tokens = picked
     return results
 
 

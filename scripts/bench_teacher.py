@@ -1,10 +1,15 @@
-"""Benchmark: teacher generation throughput: the teacher's batched, length-bucketed decoding against a plain loop that calls
-`model.generate` one prompt at a time, same target, same prompts, same machine, one run.
+"""Benchmark: teacher generation throughput, side by side in one run on the same target, prompts and machine:
 
-    python scripts/bench_teacher.py [--prompts 32] [--max-new-tokens 96] [--dtype float32] [--repeats 1]
+- `model.generate` one prompt at a time (the baseline);
+- static batches (length-bucketed batches of --batch-size rows; rows leave when done, nothing takes their place);
+- continuous batching (the teacher: finished rows are refilled from the queue);
+- and the two ways of capturing features: the teacher's separate prefill pass over the finished sequences, against
+  collecting the tapped layers' outputs during generation (forward hooks on every prefill and decode step).
 
-Prints generated tokens/s of both, their ratio (target >= 10x on 2 CPU cores), the cost of the feature-capture
-prefill pass, and how many replies are identical between the two (greedy; batching may flip near-ties).
+    python scripts/bench_teacher.py [--prompts 32] [--max-new-tokens 96] [--dtype float32] [--batch-size 32]
+
+Prints generated tokens/s of each, the ratios to the baseline, the share of the capture pass, and how many
+replies equal the baseline's greedy replies (batching may flip near-ties in low precision).
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from hydra import compose, initialize_config_module
 
 from dflash_pipeline.conf.schema import register
 from dflash_pipeline.data.sources import load_conversations
-from dflash_pipeline.data.teacher import add_features, chat_segments, regenerate
+from dflash_pipeline.data.teacher import add_features, budget_batches, chat_segments
+from dflash_pipeline.models.generation import generate
 from dflash_pipeline.models.target import load_target, resolve_layer_ids
 
 
@@ -26,55 +32,79 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeats", type=int, default=1, help="alternate baseline/teacher runs; medians reported")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--skip-baseline", action="store_true", help="only the batched paths (ratios between them)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. target=tiny")
     args = ap.parse_args()
 
     register()
     with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
         cfg = compose("config", overrides=[f"teacher.max_new_tokens={args.max_new_tokens}",
-                                           f"target.dtype={args.dtype}", "teacher.max_turns=1", *args.overrides])
+                                           f"target.dtype={args.dtype}", f"teacher.batch_size={args.batch_size}",
+                                           "teacher.max_turns=1", *args.overrides])
     target = load_target(cfg.target, cfg.cache_dir)
-    tok = target.tokenizer
+    tok, model, t = target.tokenizer, target.model, cfg.teacher
     convs = load_conversations(cfg.data.source, limit=args.prompts, tokenizer=tok,
                                max_prompt_tokens=cfg.data.max_prompt_tokens, log=lambda s: None)
-    prompts = [chat_segments(tok, c["messages"], 1)[0] for c in convs]
-    layer_ids = resolve_layer_ids(None, cfg.teacher.num_taps, target.num_layers)
+    prompts = sorted((chat_segments(tok, c["messages"], 1)[0] for c in convs), key=len)
+    layer_ids = resolve_layer_ids(None, t.num_taps, target.num_layers)
     print(f"target {target.ref} ({args.dtype}), {len(prompts)} prompts, mean prompt "
-          f"{statistics.mean(map(len, prompts)):.0f} tokens, max_new_tokens {args.max_new_tokens}, "
-          f"{torch.get_num_threads()} threads")
+          f"{statistics.mean(map(len, prompts)):.0f} tokens, max_new_tokens {args.max_new_tokens}, batch "
+          f"{args.batch_size}, {torch.get_num_threads()} threads")
+    common = dict(max_new_tokens=args.max_new_tokens, eos_ids=target.eos_ids, pad_id=tok.pad_token_id)
 
-    def baseline():
+    def timed(fn):
+        t0 = time.perf_counter()
+        replies = fn()
+        return replies, time.perf_counter() - t0
+
+    def one_at_a_time():
+        return [model.generate(input_ids=torch.tensor([p]), max_new_tokens=args.max_new_tokens, do_sample=False,
+                               eos_token_id=sorted(target.eos_ids), pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+                for p in prompts]
+
+    def static():
         replies = []
-        for p in prompts:
-            out = target.model.generate(input_ids=torch.tensor([p]), max_new_tokens=args.max_new_tokens,
-                                        do_sample=False, eos_token_id=sorted(target.eos_ids),
-                                        pad_token_id=tok.pad_token_id)
-            replies.append(out[0, len(p):].tolist())
+        for batch in budget_batches([{"input_ids": p} for p in prompts], t.batch_size, t.prefill_batch_tokens):
+            replies += generate(model, [s["input_ids"] for s in batch], **common)
         return replies
 
-    def teacher():
-        samples = regenerate(target, convs, cfg, cfg.seed)
-        t0 = time.perf_counter()
-        add_features(target, samples, layer_ids, cfg)
-        return [s["input_ids"][len(p):] for s, p in zip(samples, prompts)], time.perf_counter() - t0
+    def continuous():
+        return generate(model, prompts, batch_size=t.batch_size, prefill_tokens=t.prefill_batch_tokens, **common)
 
-    base_rates, teach_rates, capture_share = [], [], []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        base = baseline()
-        t1 = time.perf_counter()
-        ours, capture_s = teacher()
-        t2 = time.perf_counter()
-        base_rates.append(sum(map(len, base)) / (t1 - t0))
-        teach_rates.append(sum(map(len, ours)) / (t2 - t1 - capture_s))
-        capture_share.append(capture_s / (t2 - t1))
-    same = sum(a == b for a, b in zip(base, ours))
-    b, t = statistics.median(base_rates), statistics.median(teach_rates)
-    print(f"one prompt at a time (model.generate): {b:8.1f} generated tok/s")
-    print(f"teacher (batched, bucketed, rows leave when done): {t:8.1f} generated tok/s")
-    print(f"ratio: {t / b:.1f}x   feature capture pass: {100 * statistics.median(capture_share):.0f}% of teacher "
-          f"time   identical replies: {same}/{len(prompts)}")
+    def continuous_with_taps():
+        """Continuous batching that also keeps every tapped layer's output of every forward (what capturing
+        features during generation must at least do; arranging them per sample comes on top)."""
+        kept: list[torch.Tensor] = []
+        hooks = [model.model.layers[i].register_forward_hook(lambda m, a, out: kept.append(
+            (out[0] if isinstance(out, tuple) else out).detach())) for i in layer_ids]
+        try:
+            return continuous()
+        finally:
+            for h in hooks:
+                h.remove()
+
+    runs = {}
+    for name, fn in (("one prompt at a time (model.generate)", None if args.skip_baseline else one_at_a_time),
+                     ("static batches (rows leave, no refill)", static),
+                     ("continuous batching (the teacher)", continuous),
+                     ("continuous batching + taps kept during generation", continuous_with_taps)):
+        if fn is not None:
+            runs[name] = timed(fn)
+    samples = [{"input_ids": p + r} for p, r in zip(prompts, runs["continuous batching (the teacher)"][0])]
+    _, capture_s = timed(lambda: add_features(target, samples, layer_ids, cfg))
+
+    base = next(iter(runs.values()))
+    print(f"{'':52s} {'tok/s':>8s} {'x first':>8s} {'same replies':>13s}")
+    for name, (replies, secs) in runs.items():
+        rate = sum(map(len, replies)) / secs
+        same = sum(a == b for a, b in zip(base[0], replies))
+        print(f"{name:52s} {rate:8.1f} {rate / (sum(map(len, base[0])) / base[1]):7.2f}x {same:>6d}/{len(prompts)}")
+    cont = runs["continuous batching (the teacher)"][1]
+    taps = runs["continuous batching + taps kept during generation"][1]
+    print(f"separate feature-capture pass: {capture_s:.1f} s = {100 * capture_s / (cont + capture_s):.0f}% of "
+          f"teacher time; keeping taps during generation cost {taps - cont:+.1f} s "
+          f"({'cheaper' if taps - cont < capture_s else 'dearer'} than the pass)")
 
 
 if __name__ == "__main__":

@@ -219,3 +219,62 @@ def test_cli_wrong_key_is_one_clear_line_and_writes_nothing(tmp_path):
     assert proc.returncode != 0
     assert "max_new_tokenz" in proc.stderr and "Traceback" not in proc.stderr
     assert not run_dir.exists()
+
+
+def _varied_llama():
+    """A small random Llama whose greedy continuations vary (the tiny target's greedy output repeats one token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_continuous_batching_replies_equal_one_prompt_at_a_time(sampling):
+    """generate() with continuous batching (3 rows, admissions split by the prefill budget, rows leaving at
+    different steps and replaced from the queue) gives every prompt the reply it gets alone."""
+    from dflash_pipeline.models.generation import generate
+
+    model = _varied_llama()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 64, (3 + 2 * i,), generator=g).tolist() for i in range(10)]
+    kw = {"temperature": 1.0, "top_p": 0.9} if sampling else {}
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(len(prompts))] if sampling else None  # noqa: E731
+    common = dict(max_new_tokens=24, eos_ids={5, 17, 33}, pad_id=0, **kw)
+    single = []
+    for i, p in enumerate(prompts):
+        if sampling:  # the one-prompt path of the same sampler
+            single.append(generate(model, [p], generators=gens()[i: i + 1], **common)[0])
+        else:  # transformers' own greedy decoding
+            out = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=[5, 17, 33],
+                                 pad_token_id=0)
+            single.append(out[0, len(p):].tolist())
+    assert len({len(r) for r in single}) > 3, "replies of many lengths: rows leave and are replaced mid-batch"
+    batched = generate(model, prompts, generators=gens(), batch_size=3, prefill_tokens=24, **common)
+    assert batched == single
+
+
+def test_continuous_batching_gives_the_unbatched_dataset(tiny_target):
+    """The teacher's continuously batched regeneration writes exactly the dataset of the one-row-at-a-time path:
+    ids, loss masks and features (both turns, a batch smaller than the samples, a prefill budget that splits
+    admissions)."""
+    from dflash_pipeline.data.sources import load_conversations
+    from dflash_pipeline.data.teacher import add_features, regenerate
+
+    def dataset(*overrides):
+        cfg = make_config(*overrides)
+        convs = load_conversations("sharegpt", limit=cfg.data.num_samples, tokenizer=tiny_target.tokenizer,
+                                   max_prompt_tokens=cfg.data.max_prompt_tokens, log=lambda s: None)
+        samples = regenerate(tiny_target, convs, cfg, cfg.seed)
+        add_features(tiny_target, samples, [0, 1], cfg)
+        return samples
+
+    unbatched = dataset("teacher.batch_size=1")
+    continuous = dataset("teacher.batch_size=3", "teacher.prefill_batch_tokens=200")
+    assert sum(s["num_turns"] for s in unbatched) > len(unbatched), "second turns regenerated too"
+    for a, b in zip(unbatched, continuous):
+        assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+        assert torch.equal(a["features"], b["features"]) and torch.equal(a["topk_ids"], b["topk_ids"])

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
-from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
+from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch, step_seed
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval import policies
 from dflash_pipeline.eval.decode import ChainMethod
@@ -117,7 +117,7 @@ class DrafterComponent:
         if t.loss == "kl" and not self.data.manifest.get("topk_logprobs"):
             raise DatasetError("trainer.loss=kl needs teacher top-k log-probs: rerun the teacher with "
                                "teacher.topk_logprobs=20 (or another k > 0)")
-        self.train_idx, self.heldout_idx = split_heldout(self.data.ids, t.heldout_samples)
+        self.train_idx, self.heldout_idx = split_heldout(self.data.ids, t.heldout_samples, t.train_samples)
         self.dconf = drafter_config(cfg, self.target, self.data.layer_ids)
         self.block_size = self.dconf.block_size
         self.gamma = t.gamma or default_gamma(self.block_size)
@@ -169,8 +169,15 @@ class DrafterComponent:
         """Pack sequences into blocks. Anchors are drawn per (step, slot in the global batch), so any split of the
         global batch over processes and micro-batches draws the same anchors."""
         gens = anchor_generators(self.cfg.seed, step, slot0, len(indices))
-        return pack_blocks(self.items(indices), block_size=self.block_size, mask_token_id=self.dconf.mask_token_id,
-                           anchors_per_sequence=self.cfg.trainer.anchors_per_sequence, generators=gens)
+        batch = pack_blocks(self.items(indices), block_size=self.block_size, mask_token_id=self.dconf.mask_token_id,
+                            anchors_per_sequence=self.cfg.trainer.anchors_per_sequence, generators=gens)
+        noise = self.cfg.trainer.feature_noise
+        if noise > 0:  # a regulariser: each feature vector moved by `noise` times its own RMS, seeded per step
+            f = batch["features"].float()
+            gen = torch.Generator().manual_seed(step_seed(self.cfg.seed, "feature_noise", step, slot0))
+            rms = f.pow(2).mean(-1, keepdim=True).sqrt()
+            batch["features"] = (f + noise * rms * torch.randn(f.shape, generator=gen)).to(batch["features"].dtype)
+        return batch
 
     def normaliser(self, batch: dict) -> float:
         """The loss normaliser of a batch, known before the forward (so it can be summed across processes)."""

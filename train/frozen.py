@@ -56,7 +56,8 @@ class FrozenDrafterComponent:
             raise TrainError(f"the drafter at {inputs.drafter} taps layers {self.drafter.config.target_layer_ids}, "
                              f"the teacher data {list(self.data.layer_ids)}: train both on the same teacher data")
         self.block_size = self.drafter.config.block_size
-        self.train_idx, self.heldout_idx = split_heldout(self.data.ids, cfg.trainer.heldout_samples)
+        self.train_idx, self.heldout_idx = split_heldout(self.data.ids, cfg.trainer.heldout_samples,
+                                                         cfg.trainer.train_samples)
         gamma = cfg.trainer.gamma or default_gamma(self.block_size)
         self.position_weights = decay_weights(self.block_size - 1, gamma, device=device)  # the drafter's weights
 
