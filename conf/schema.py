@@ -243,9 +243,11 @@ class EvalConfig:
     """Evaluation (eval/stage.py): offline (teacher-forced) and online (real verification) acceptance, speed."""
 
     out_dir: str = "eval"
-    # mtbench (first turns) | humaneval | heldout (held-out ShareGPT prompts) | a .json/.jsonl/.parquet path | hf:<id>
+    # mtbench (both turns) | humaneval | heldout (held-out ShareGPT prompts) | a .json/.jsonl/.parquet path | hf:<id>
     datasets: list[str] = ranged(nonempty=True, factory=lambda: ["mtbench", "humaneval", "heldout"])
-    num_prompts: int = ranged(8, ge=1)  # per dataset
+    num_prompts: int = ranged(8, ge=1)  # per dataset: teacher-forced metrics on the target's replies to all of them
+    online_prompts: Optional[int] = ranged(None, ge=1)  # the first this many also decode online; None: all
+    turns: int = ranged(2, ge=1)  # turns of multi-turn sets (MT-Bench), each on the target's own earlier replies
     max_new_tokens: int = ranged(64, ge=1)
     max_prompt_tokens: Optional[int] = ranged(None, ge=1)  # None: whatever fits the context with max_new_tokens
     block_size: Optional[int] = ranged(None, ge=2)  # None: the trained block size; may be smaller, never larger

@@ -94,6 +94,28 @@ def bootstrap_tau(per_prompt: list[list[int]], samples: int = 2000, seed: int = 
     return [float(taus[int(0.025 * (samples - 1))]), float(taus[int(0.975 * (samples - 1))])]
 
 
+def bootstrap_simulated_tau(correct: torch.Tensor, valid: torch.Tensor, owner: torch.Tensor, num_items: int,
+                            samples: int = 2000, seed: int = 0) -> list[float]:
+    """95% interval of tau_offline over sequences: blocks (correct, valid (N, P)) belong to sequence owner[n]; the
+    sequences are resampled with replacement and a_k (reached-and-correct over reached, summed over the resample)
+    turned into the simulated tau. [tau, tau] with a single sequence."""
+    reached = torch.ones(correct.shape[0], dtype=torch.bool, device=correct.device)
+    hits = torch.zeros(num_items, correct.shape[1], dtype=torch.float64)
+    seen = torch.zeros_like(hits)
+    for k in range(correct.shape[1]):
+        at_k = reached & valid[:, k]
+        seen[:, k].index_add_(0, owner.cpu(), at_k.double().cpu())
+        hits[:, k].index_add_(0, owner.cpu(), (correct[:, k] & at_k).double().cpu())
+        reached = at_k & correct[:, k]
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.zeros(samples, num_items, dtype=torch.float64)
+    weights.scatter_add_(1, torch.randint(num_items, (samples, num_items), generator=gen),
+                         torch.ones(samples, num_items, dtype=torch.float64))
+    a = (weights @ hits) / (weights @ seen).clamp(min=1)  # (samples, P)
+    taus = (1 + a.cumprod(-1).sum(-1)).sort().values
+    return [float(taus[int(0.025 * (samples - 1))]), float(taus[int(0.975 * (samples - 1))])]
+
+
 def oracle_acceptance(top: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, ks: list[int]) -> dict[int, list[float]]:
     """a_k of an oracle that picks the right token whenever it is among the drafter's top-K: P(label in top-K at k |
     labels in top-K at every earlier position). Its simulated tau is the ceiling of any choice among the top-K."""
@@ -113,21 +135,23 @@ def _contexts(input_ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, ks: list[int],
-                    chunk: int = 64, progress: Progress | None = None, methods: dict | None = None) -> dict:
+                    chunk: int = 64, progress: Progress | None = None, methods: dict | None = None,
+                    subset: int | None = None) -> dict:
     """Teacher-forced a_k, Recall@K, oracle tau@K and tau_offline over every anchor of `items` (input_ids,
     loss_mask, features): the drafter's own argmax path, and under "methods" the path each eval method would propose
     from the same drafter outputs (`methods`: {name: method with top_k and path(), eval/decode.py}), with the
     histogram of drafts it would verify per block (verified_hist[v]: blocks verifying v drafts).
 
     Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.
-    progress: counts one per item.
+    progress: counts one per item. subset: also each path's tau_offline over the first `subset` items only
+    (`tau_offline_subset`: the prompts the online loop decodes, for a gap measured on the same prompts).
     """
     methods = methods or {}
     device = drafter.norm.weight.device
     to_column = drafter.target_to_column()
     columns = drafter.config.vocab_size if drafter.draft_to_target is None else len(drafter.draft_to_target)
     kmax = min(max([*ks, *(m.top_k for m in methods.values())]), columns)
-    tops, labels, valids = [], [], []
+    tops, labels, valids, owners = [], [], [], []
     paths: dict[str, list[torch.Tensor]] = {name: [] for name in methods}
     scorings: dict[str, int] = {name: 0 for name in methods}
     for it in items:
@@ -150,23 +174,31 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
                 scorings[name] += work * len(ids)
         labels.append(b["labels"][keep])
         valids.append(b["label_valid"][keep])
+        owners.append(torch.full((int(keep.sum()),), len(owners), dtype=torch.long))
         if progress is not None:
             progress.update()
     top, target_labels, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
+    owner = torch.cat(owners).to(device)
     label = to_column[target_labels]
     a, counts = conditional_acceptance(top[..., 0] == label, valid)
     rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
     oracle_ks = sorted({*ks, *(m.top_k for m in methods.values())})
     oracle = oracle_acceptance(top, label, valid, [k for k in oracle_ks if k <= kmax])
+    first = owner < (len(items) if subset is None else subset)
     per_method = {}
     for name, chunks in paths.items():
         chosen = torch.cat(chunks)
         m_a, _ = conditional_acceptance(chosen == target_labels, valid)
         verified = (chosen != NOT_VERIFIED).long().cumprod(-1).sum(-1)  # drafts before the first NOT_VERIFIED
         per_method[name] = {"a_k": m_a, "tau_offline": simulated_tau(m_a),
+                            "tau_offline_ci95": bootstrap_simulated_tau(chosen == target_labels, valid, owner,
+                                                                        len(items)),
+                            "tau_offline_subset": simulated_tau(conditional_acceptance(
+                                (chosen == target_labels)[first], valid[first])[0]),
                             "scorings_per_block": scorings[name] / max(1, top.shape[0]),
                             "verified_hist": torch.bincount(verified, minlength=chosen.shape[1] + 1).tolist()}
     return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
+            "tau_offline_ci95": bootstrap_simulated_tau(top[..., 0] == label, valid, owner, len(items)),
             "recall": {str(k): v for k, v in rec.items()},
             "oracle_tau": {str(k): simulated_tau(v) for k, v in oracle.items()},
             "methods": per_method, "blocks": int(top.shape[0]), "sequences": len(items)}

@@ -25,7 +25,7 @@ def markdown(results: dict) -> str:
         f"Drafter: `{results['drafter_dir']}`; up to {results['max_new_tokens']} new tokens per prompt; timing on "
         f"{results['timing']['device']} ({results['timing']['num_threads']} threads): {results['timing']['protocol']}.",
         "",
-        "| method | dataset | prompts | tokens | tau offline | tau online [95% CI over prompts] | oracle tau | a_1 off / on | fwd/token | "
+        "| method | dataset | prompts off / on | tokens | tau offline [95% CI] | tau online [95% CI over prompts] | oracle tau | a_1 off / on | fwd/token | "
         "drafts verified/round | draft ms/round | select ms/round (share) | scorings/round | verify ms/round | "
         "AR tok/s | spec tok/s | speedup (predicted) | exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -33,7 +33,8 @@ def markdown(results: dict) -> str:
     for m, per in results["methods"].items():
         for ds, r in per.items():
             lines.append(
-                f"| {m} | {ds} | {r['prompts']} | {r['output_tokens']} | {_f(r['tau_offline'])} | "
+                f"| {m} | {ds} | {r.get('offline_prompts', r['prompts'])} / {r['prompts']} | {r['output_tokens']} | "
+                f"{_f(r['tau_offline'])}{_ci(r.get('tau_offline_ci95'))} | "
                 f"{_f(r['tau_online'])}{_ci(r.get('tau_online_ci95'))} | {_f(r.get('oracle_tau'))} | {_f(r['a_k_offline'][0])} / "
                 f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | "
                 f"{_f(r.get('verified_per_round'), 2)} | {_f(r['draft_ms_per_round'], 2)} | "
@@ -57,7 +58,8 @@ def markdown(results: dict) -> str:
     held = results["offline"].get("teacher_heldout")
     lines += ["", "## Offline (teacher-forced) on the held-out teacher sequences", ""]
     if held:
-        lines += [f"{held['sequences']} sequences, {held['blocks']} blocks: tau_offline {_f(held['tau_offline'])}.", ""]
+        lines += [f"{held['sequences']} sequences, {held['blocks']} blocks: tau_offline {_f(held['tau_offline'])}"
+                  f"{_ci(held.get('tau_offline_ci95'))}.", ""]
     else:
         lines += [f"Not measured: {results.get('offline_note', 'no teacher data')}.", ""]
     positions = " | ".join(str(k) for k in range(1, B))

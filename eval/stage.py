@@ -35,6 +35,7 @@ from dflash_pipeline.eval import report
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, offline_metrics
 from dflash_pipeline.eval.policies import EvalContext, measure_costs
+from dflash_pipeline.eval.references import ReferenceCache, turn_prompts
 from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
@@ -97,22 +98,21 @@ def dataset_source(name: str) -> tuple[str, dict]:
                     f"{'/'.join(FILE_SUFFIXES)}, or hf:<dataset id>")
 
 
-def load_prompts(name: str, cfg: DictConfig, tokenizer, room: int) -> list[dict]:
-    """First-turn prompts of an eval set as chat-templated ids: [{"id", "prompt_ids"}]. room: the most prompt
-    tokens that still leave space for the reply in the target's context."""
+def load_prompts(name: str, label: str, cfg: DictConfig, references: ReferenceCache, room: int
+                 ) -> dict[str, list[dict]]:
+    """The prompts of an eval set as chat-templated ids, per turn: {label: first turns, label_turn2: second turns
+    (conditioned on the target's own first replies), ...} up to eval.turns. room: the most prompt tokens that still
+    leave space for the reply in the target's context."""
     _, kwargs = dataset_source(name)
+    tokenizer = references.target.tokenizer
     limit = cfg.eval.max_prompt_tokens or room
     convs = load_conversations(**kwargs, heldout_fraction=cfg.data.heldout_fraction, limit=cfg.eval.num_prompts,
                                tokenizer=tokenizer, max_prompt_tokens=limit, log=log.info)
-    prompts = []
-    for c in convs:
-        ids = chat_segments(tokenizer, c["messages"], 1)[0]
-        if len(ids) > room:  # the template adds tokens the filter did not count
-            log.warning("%s: prompt %s has %d tokens with its template, over %d: skipped", name, c["id"], len(ids),
-                        room)
-            continue
-        prompts.append({"id": c["id"], "prompt_ids": ids})
-    return prompts
+    per_turn = turn_prompts(tokenizer, convs, cfg.eval.turns, references, cfg.eval.max_new_tokens, room)
+    if len(per_turn[0]) < len(convs):  # the template adds tokens the filter did not count
+        log.warning("%s: %d prompts over %d tokens with their template: skipped", name,
+                    len(convs) - len(per_turn[0]), room)
+    return {label if k == 0 else f"{label}_turn{k + 1}": prompts for k, prompts in enumerate(per_turn)}
 
 
 def load_drafter(cfg: DictConfig, train_dir: Path, target: Target) -> tuple[DFlashDrafter, Path]:
@@ -395,11 +395,17 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             raise EvalError(f"eval method {name}: {err}") from err
     room = target.model.config.max_position_embeddings - e.max_new_tokens - B
     ks = sorted(set(e.recall_k))
+    references = ReferenceCache(Path(cfg.cache_dir) / "references", target)
     prompt_sets = {}
     for name, label in zip(e.datasets, labels):
-        prompt_sets[label] = load_prompts(name, cfg, target.tokenizer, room)
+        prompt_sets.update(load_prompts(name, label, cfg, references, room))
         if not prompt_sets[label]:
             raise EvalError(f"eval dataset {name!r} gave no prompt that fits the target's context")
+    # The target's greedy replies to every prompt (cached across runs): what the teacher-forced metrics run on.
+    replies = {label: references.replies([p["prompt_ids"] for p in prompts], e.max_new_tokens)
+               for label, prompts in prompt_sets.items()}
+    log.info("AR references: %d reused, %d generated (%s)", references.reused, references.generated,
+             references.folder)
 
     results = {
         "config_hash": digest,
@@ -409,7 +415,11 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         "trained_block_size": trained_B,
         "temperature": e.temperature,
         "max_new_tokens": e.max_new_tokens,
-        "datasets": labels,
+        "datasets": list(prompt_sets),
+        "prompts": {label: {"offline": len(prompts), "online": len(prompts[: e.online_prompts])}
+                    for label, prompts in prompt_sets.items()},
+        "references": {"folder": str(references.folder), "reused": references.reused,
+                       "generated": references.generated},
         "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats; "
                                "medians of per-run time per output token",
                    "device": str(device), "num_threads": torch.get_num_threads(), "repeats": e.timing_repeats},
@@ -419,10 +429,10 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     trees = {m: method for m, method in methods.items() if isinstance(method, TreeMethod)}
     blocks = {m: method for m, method in methods.items() if m not in trees}
 
-    def offline(items: list[dict], label: str) -> dict:
+    def offline(items: list[dict], label: str, subset: int | None = None) -> dict:
         """Every method's teacher-forced metrics on `items` (trees: built per block, walked along the labels)."""
         with Progress(f"eval {label} offline", len(items), "sequence") as bar:
-            res = offline_metrics(drafter, items, B, ks, progress=bar, methods=blocks)
+            res = offline_metrics(drafter, items, B, ks, progress=bar, methods=blocks, subset=subset)
         if trees:
             if "final_hidden" not in items[0]:
                 recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id, final=True)
@@ -452,24 +462,25 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             log.info("%s: %s", m, chosen)
 
     for label, prompts in prompt_sets.items():
-        replies = None
+        seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, replies[label])]
+        on_replies = offline(reply_items(target, layer_ids, seqs, final=bool(trees)), label, e.online_prompts)
+        results["offline"][label] = on_replies
         for m, method in methods.items():
-            online = run_online(target, method, prompts, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
-                                temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats,
-                                strict=e.strict_exact, costs=ctx)
-            ar_outputs = online.pop("ar_outputs")
-            if replies is None:  # the drafter's teacher-forced metrics on these prompts' target replies
-                seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, ar_outputs)]
-                replies = offline(reply_items(target, layer_ids, seqs, final=bool(trees)), label)
-                results["offline"][label] = replies
-            own = replies["methods"][m]  # the path this method proposes, teacher-forced on the same replies
+            online = run_online(target, method, prompts[: e.online_prompts], label=label, block_size=B,
+                                max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
+                                repeats=e.timing_repeats, strict=e.strict_exact, costs=ctx)
+            online.pop("ar_outputs")
+            own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {
                 **online,
                 "a_k_offline": own["a_k"],
-                "recall": replies["recall"],
+                "recall": on_replies["recall"],
                 "tau_offline": own["tau_offline"],
-                "tau_gap": own["tau_offline"] - online["tau_online"],
-                "oracle_tau": replies["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
-                "prompt_ids": [p["id"] for p in prompts],
+                "tau_offline_ci95": own.get("tau_offline_ci95"),
+                "offline_prompts": len(prompts),
+                # offline minus online on the same (online) prompts; trees: over all prompts
+                "tau_gap": own.get("tau_offline_subset", own["tau_offline"]) - online["tau_online"],
+                "oracle_tau": on_replies["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
+                "prompt_ids": [p["id"] for p in prompts[: e.online_prompts]],
             }
     return results

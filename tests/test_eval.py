@@ -324,19 +324,22 @@ def test_eval_results_schema(tiny_eval):
     assert len(held["a_k"]) == B - 1 and all(len(v) == B - 1 for v in held["recall"].values())
     assert set(results["methods"]) == {"chain"}
     per = results["methods"]["chain"]
-    assert list(per) == ["mtbench", "humaneval", "heldout"]
+    assert list(per) == ["mtbench", "mtbench_turn2", "humaneval", "heldout"]  # both MT-Bench turns
+    assert results["prompts"]["mtbench_turn2"] == {"offline": 2, "online": 1}
     for ds, r in per.items():
         for key in ("a_k_online", "a_k_offline"):
             assert len(r[key]) == B - 1, (ds, key)
         assert all(len(v) == B - 1 for v in r["recall"].values())
         assert len(r["accepted_hist"]) == B and sum(r["accepted_hist"]) == r["rounds"]
-        assert r["prompts"] == cfg.eval.num_prompts
-        assert 0 < r["output_tokens"] <= cfg.eval.num_prompts * cfg.eval.max_new_tokens
+        assert r["prompts"] == cfg.eval.online_prompts and r["offline_prompts"] == cfg.eval.num_prompts
+        assert 0 < r["output_tokens"] <= cfg.eval.online_prompts * cfg.eval.max_new_tokens
+        lo, hi = r["tau_offline_ci95"]
+        assert lo <= r["tau_offline"] <= hi
         assert r["exact"] is True and r["mismatches"] == []
         assert 1.0 <= r["tau_online"] <= B and 1.0 <= r["tau_offline"] <= B
         assert r["speedup"] > 0 and r["tokens_per_s_ar"] > 0 and r["tokens_per_s_spec"] > 0
         assert r["target_forwards_per_token"] <= 1.0 + 1e-9
-        assert r["timed_runs"] == 4 * cfg.eval.num_prompts * cfg.eval.timing_repeats
+        assert r["timed_runs"] == 4 * cfg.eval.online_prompts * cfg.eval.timing_repeats
     md = (out / "results.md").read_text()
     assert "| chain | mtbench |" in md and "tau online" in md
 
