@@ -161,8 +161,8 @@ class TeacherConfig:
     max_turns: int = ranged(1, ge=1)  # assistant turns regenerated per conversation, in order
     temperature: float = ranged(0.0, ge=0.0)  # 0 = greedy
     top_p: float = ranged(1.0, gt=0.0, le=1.0)
-    batch_size: int = ranged(32, ge=1)  # most rows decoded together
-    prefill_batch_tokens: int = ranged(4096, ge=1)  # rows x longest prompt of a generation batch (length bucketing)
+    batch_size: int = ranged(32, ge=1)  # most rows decoded together (continuous batching: finished rows refilled)
+    prefill_batch_tokens: int = ranged(4096, ge=1)  # rows x longest prompt of the prompts admitted together
     capture_batch_tokens: int = ranged(8192, ge=1)  # rows x longest sequence of a feature-capture prefill batch
     shard_size: int = ranged(64, ge=1)  # samples per shard
     feature_dtype: DType = DType.bfloat16

@@ -144,8 +144,10 @@ def read_wandb(project: str, group: str | None, api=None) -> list[Run]:
             if s.get("offline/teacher_heldout/tau_offline") is not None:
                 run.heldout_tau = s["offline/teacher_heldout/tau_offline"]
                 run.heldout_a_k = _positions(s, "offline/teacher_heldout/a")
+            turns = range(2, (run.config.get("eval.turns") or 1) + 1)  # later turns: <set>_turn<k>
             for key in [f"{m}/{ds}/" for m in run.config.get("eval.methods") or ["chain"]
-                        for ds in run.config.get("eval.datasets") or []]:
+                        for base in run.config.get("eval.datasets") or []
+                        for ds in [base, *(f"{base}_turn{k}" for k in turns)]]:
                 if s.get(key + "tau_online") is None:
                     continue
                 run.online[key[:-1]] = {"tau_offline": s.get(key + "tau_offline"), "tau_online": s[key + "tau_online"],
