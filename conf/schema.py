@@ -55,6 +55,11 @@ class Split(Choice):
     all = "all"
 
 
+class Capture(Choice):
+    during = "during"
+    separate = "separate"
+
+
 class DrafterInit(Choice):
     random = "random"
     target = "target"
@@ -164,6 +169,9 @@ class TeacherConfig:
     batch_size: int = ranged(32, ge=1)  # most rows decoded together (continuous batching: finished rows refilled)
     prefill_batch_tokens: int = ranged(4096, ge=1)  # rows x longest prompt of the prompts admitted together
     capture_batch_tokens: int = ranged(8192, ge=1)  # rows x longest sequence of a feature-capture prefill batch
+    # during: features kept as generation computes them (measured faster); separate: one extra right-padded prefill
+    # pass after generation (features bit-identical however samples are batched)
+    capture: Capture = Capture.during
     shard_size: int = ranged(64, ge=1)  # samples per shard
     feature_dtype: DType = DType.bfloat16
     topk_logprobs: int = ranged(0, ge=0)  # >0: also store the target's top-k log-probs per position (distillation)

@@ -1,13 +1,14 @@
 """Teacher stage: regenerate assistant replies with the frozen target and capture its hidden states.
 
 For each conversation: apply the target's chat template, regenerate every assistant turn (up to teacher.max_turns)
-in order on the target's own earlier replies, mark the generated tokens as the loss mask, then capture the tapped
-layers' hidden states for every token (prompt included) in one extra prefill pass.
+in order on the target's own earlier replies, mark the generated tokens as the loss mask, and keep the tapped layers'
+hidden states of every token (prompt included).
 
-Why a separate prefill pass instead of collecting hidden states during decoding: it costs one batched forward over
-tokens the target has already produced (measured ~3x the per-token throughput of decoding, see
-scripts/bench_teacher.py), it is right-padded so padding can never shift a position, and multi-turn samples get
-their features from one consistent pass.
+Features (teacher.capture): `during` (default) keeps them as generation computes them: the last turn's prefill
+covers the prompt and each decode step its token (a finished row stays one extra step for its last token). It
+replaced a separate right-padded prefill pass over the finished sequences (`separate`, still available), which was
+40% of teacher time while keeping the taps costs ~3% (scripts/bench_teacher.py). `separate` gives features that
+are bit-identical however samples are batched; `during` matches them to float rounding (tested).
 
 Work is planned up front (the ordered samples of every shard, sorted by prompt length so batches carry little
 padding) and written shard by shard; a killed run, started again, skips completed shards and redoes the one in
@@ -77,10 +78,11 @@ def sample_seed(seed: int, sample_id: str, turn: int) -> int:
 
 
 # -- one shard -------------------------------------------------------------------------------------------------
-def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, progress: Progress | None = None
-               ) -> list[dict]:
+def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, progress: Progress | None = None,
+               layer_ids: list[int] | None = None) -> list[dict]:
     """Regenerate the assistant turns of `convs` (turn by turn, each turn one continuously batched generation of
-    every sample that has it); returns samples with input_ids and loss_mask.
+    every sample that has it); returns samples with input_ids and loss_mask. With layer_ids, also their
+    features and final hidden states as generation computes them (from the last turn's prefill and decode steps).
 
     progress: counts each conversation as done in equal parts as its replies finish (inside a generation batch),
     and the generated tokens as "gen tok".
@@ -119,27 +121,52 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
             counted[0] += part
             progress.update(part)
 
-        replies = generate(target.model, [s["input_ids"] for s in todo], max_new_tokens=t.max_new_tokens,
-                           eos_ids=eos_ids, pad_id=tok.pad_token_id, temperature=t.temperature, top_p=t.top_p,
-                           generators=gens, on_step=on_step if progress else None, batch_size=t.batch_size,
-                           prefill_tokens=t.prefill_batch_tokens)
-        for s, r in zip(todo, replies):
+        out = generate(target.model, [s["input_ids"] for s in todo], max_new_tokens=t.max_new_tokens,
+                       eos_ids=eos_ids, pad_id=tok.pad_token_id, temperature=t.temperature, top_p=t.top_p,
+                       generators=gens, on_step=on_step if progress else None, batch_size=t.batch_size,
+                       prefill_tokens=t.prefill_batch_tokens, taps=layer_ids)
+        replies, captured = out if layer_ids is not None else (out, [None] * len(todo))
+        for s, r, c in zip(todo, replies, captured):
             s["input_ids"] += r
             s["loss_mask"] += [1] * len(r)
             s["num_turns"] += 1
+            if c is not None:  # this turn's pass saw the whole sequence: it replaces the earlier turn's
+                s.update(c)
     if progress is not None:  # turns skipped for want of context room, and conversations without a turn
         progress.update(len(samples) - counted[0])
     return samples
 
 
 def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg: DictConfig) -> None:
-    """Capture features for every sample in prefill batches bounded by a token budget (sorted by length)."""
-    ordered = sorted(samples, key=lambda s: len(s["input_ids"]))
+    """Features (and top-k log-probs) of every sample. Samples that kept them from generation (teacher.capture=
+    during) get their top-k from the stored final hidden states; the rest are captured in prefill batches bounded
+    by a token budget (sorted by length)."""
+    k = cfg.teacher.topk_logprobs
+    for s in samples:
+        final = s.pop("final_hidden", None)
+        if final is not None and k:
+            with torch.no_grad():
+                logp = torch.log_softmax(target.model.lm_head(final[:-1]).float(), dim=-1)
+            vals, idx = logp.topk(k, dim=-1)
+            s["topk_logprobs"] = torch.cat([vals.new_zeros(1, k), vals])
+            s["topk_ids"] = torch.cat([idx.new_zeros(1, k), idx])
+    ordered = sorted((s for s in samples if "features" not in s), key=lambda s: len(s["input_ids"]))
+    if not ordered:
+        return
     for batch in budget_batches(ordered, len(ordered), cfg.teacher.capture_batch_tokens):
         outs = capture(target.model, [s["input_ids"] for s in batch], layer_ids,
                        pad_id=target.tokenizer.pad_token_id, topk=cfg.teacher.topk_logprobs)
         for s, o in zip(batch, outs):
             s.update(o)
+
+
+def teacher_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_ids: list[int],
+                    progress: Progress | None = None) -> list[dict]:
+    """The finished samples of `convs` (one shard): regenerated replies, loss masks, features (teacher.capture)."""
+    during = layer_ids if cfg.teacher.capture == "during" else None
+    samples = regenerate(target, convs, cfg, cfg.seed, progress, during)
+    add_features(target, samples, layer_ids, cfg)
+    return samples
 
 
 # -- the stage -------------------------------------------------------------------------------------------------
@@ -243,8 +270,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
     desc = "teacher" if state.num_processes == 1 else f"teacher (rank 0 of {state.num_processes})"
     with Progress(desc, total, "sample", initial=done, enabled=state.is_main_process) as bar:
         for k in todo:  # the bar moves as replies finish; features and the shard file follow each shard
-            samples = regenerate(target, [convs[i] for i in shards[k]], cfg, cfg.seed, bar)
-            add_features(target, samples, layer_ids, cfg)
+            samples = teacher_samples(target, [convs[i] for i in shards[k]], cfg, layer_ids, bar)
             write_shard(out, k, samples, feature_dtype, process=f"{state.process_index} of {state.num_processes}")
     state.wait_for_everyone()
 

@@ -84,7 +84,8 @@ def generate(
     on_step: Callable[[int, list[int]], None] | None = None,
     batch_size: int | None = None,
     prefill_tokens: int | None = None,
-) -> list[list[int]]:
+    taps: list[int] | None = None,
+):
     """Continue each prompt until an EOS id (kept) or max_new_tokens, decoding up to `batch_size` rows together.
 
     Continuous batching: prompts are admitted from a queue in the given order (sort them by length for little
@@ -93,6 +94,11 @@ def generate(
     and merged into the running batch. So the ragged tail of a batch no longer decodes a few rows at a time, and
     a sample's reply does not depend on which others share its batch (its own generator; left padding with
     explicit positions). batch_size None: all prompts in one batch.
+
+    taps: also capture, as the tokens go through the target, the tapped layers' hidden states (layer i =
+    hidden_states[i + 1]) and the final normed hidden states of every token of prompt + reply: a finished row stays
+    for one more step so its last token is seen too. Returns (replies, [{"features" (T, n*H), "final_hidden" (T, H)}])
+    instead of the replies.
 
     on_step(new_tokens, finished_rows): called after every decode step (and admission) with the number of tokens
     it produced and the prompt indices whose reply ended there (for progress reporting as rows finish).
@@ -103,23 +109,31 @@ def generate(
     queue = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
     eos = torch.tensor(sorted(eos_ids), device=device)
     results: list[list[int]] = [[] for _ in prompts]
-    cache, mask, active = None, None, []  # active: prompt index of each decode row
+    seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]  # per prompt: (taps, final) chunks
+    cache, mask, active, closing = None, None, [], []  # active: prompt index of each decode row
     tokens = next_pos = None  # per decode row: the token to feed next and its position
+    hidden = {"output_hidden_states": True} if taps is not None else {}
 
-    def pick(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, list[bool]]:
-        """The next token of each row, appended to its reply; whether the row goes on."""
+    def record(out, rows: list[int], spans: list[slice]) -> None:
+        hs = out.hidden_states
+        for j, (r, span) in enumerate(zip(rows, spans)):
+            seen[r].append((torch.cat([hs[i + 1][j, span] for i in taps], dim=-1) if taps else hs[-1][j, span, :0],
+                            hs[-1][j, span]))
+
+    def pick(logits: torch.Tensor, rows: list[int], live: list[bool]) -> tuple[torch.Tensor, list[bool]]:
+        """The next token of each live row, appended to its reply; whether each row goes on decoding."""
         gens = [generators[r] for r in rows] if generators else None
         picked = _pick(logits, temperature, top_p, gens)
-        for r, t in zip(rows, picked.tolist()):
-            results[r].append(t)
-        goes_on = ~torch.isin(picked, eos) & torch.tensor([len(results[r]) < max_new_tokens for r in rows],
-                                                          device=device)
-        return picked, goes_on.tolist()
-
-    def report(new: int, rows: list[int], goes_on: list[bool]) -> None:
+        goes_on = []
+        for r, t, lv in zip(rows, picked.tolist(), live):
+            if lv:
+                results[r].append(t)
+            goes_on.append(lv and t not in eos_set and len(results[r]) < max_new_tokens)
         if on_step:
-            on_step(new, [r for r, g in zip(rows, goes_on) if not g])
+            on_step(sum(live), [r for r, g, lv in zip(rows, goes_on, live) if lv and not g])
+        return picked, goes_on
 
+    eos_set = set(eos.tolist())
     while queue or active:
         if queue and (not active or batch_size - len(active) >= refill_at):
             free, new = batch_size - len(active), [queue.pop()]
@@ -128,10 +142,11 @@ def generate(
             ids, new_mask = _left_pad([prompts[r] for r in new], pad_id, device)
             new_cache = DynamicCache()
             out = model(input_ids=ids, attention_mask=new_mask, position_ids=(new_mask.cumsum(-1) - 1).clamp(min=0),
-                        cache=new_cache, use_cache=True, logits_to_keep=1)
-            picked, goes_on = pick(out.logits[:, -1], new)
-            report(len(new), new, goes_on)
-            keep = [i for i, g in enumerate(goes_on) if g]
+                        cache=new_cache, use_cache=True, logits_to_keep=1, **hidden)
+            if hidden:
+                record(out, new, [slice(ids.shape[1] - len(prompts[r]), None) for r in new])
+            picked, goes_on = pick(out.logits[:, -1], new, [True] * len(new))
+            keep = [i for i, g in enumerate(goes_on) if g or hidden]  # with taps, a finished row stays one step
             if keep:
                 idx = torch.tensor(keep, device=device)
                 if len(keep) < len(new):
@@ -143,19 +158,22 @@ def generate(
                     mask = _merge(cache, mask, new_cache, new_mask)
                     tokens, next_pos = torch.cat([tokens, picked[idx]]), torch.cat([next_pos, new_pos])
                 active += [new[i] for i in keep]
+                closing += [not goes_on[i] for i in keep]
             if queue and batch_size - len(active) >= refill_at:
                 continue  # the prefill budget stopped the admission: admit more before decoding
         if not active:
             continue
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    cache=cache, use_cache=True)
+                    cache=cache, use_cache=True, **hidden)
         rows = active
-        picked, goes_on = pick(out.logits[:, -1], rows)
-        report(len(rows), rows, goes_on)
+        if hidden:
+            record(out, rows, [slice(None)] * len(rows))
+        picked, goes_on = pick(out.logits[:, -1], rows, [not c for c in closing])
         next_pos = next_pos + 1
-        if not all(goes_on):
-            keep = [i for i, g in enumerate(goes_on) if g]
+        keep = [i for i, (g, c) in enumerate(zip(goes_on, closing)) if g or (hidden and not c)]
+        closing = [not goes_on[i] for i in keep]
+        if len(keep) < len(rows):
             active = [rows[i] for i in keep]
             if not active:
                 cache = mask = tokens = next_pos = None
@@ -164,7 +182,11 @@ def generate(
             cache.batch_select_indices(idx)
             mask, picked, next_pos = _trim(cache, mask[idx]), picked[idx], next_pos[idx]
         tokens = picked
-    return results
+    if taps is None:
+        return results
+    captured = [{"features": torch.cat([f for f, _ in chunks]), "final_hidden": torch.cat([h for _, h in chunks])}
+                for chunks in seen]
+    return results, captured
 
 
 @torch.no_grad()

@@ -3,8 +3,9 @@
 - `model.generate` one prompt at a time (the baseline);
 - static batches (length-bucketed batches of --batch-size rows; rows leave when done, nothing takes their place);
 - continuous batching (the teacher: finished rows are refilled from the queue);
-- and the two ways of capturing features: the teacher's separate prefill pass over the finished sequences, against
-  collecting the tapped layers' outputs during generation (forward hooks on every prefill and decode step).
+- and the two ways of capturing features: a separate prefill pass over the finished sequences
+  (teacher.capture=separate) against keeping the tapped layers' hidden states as generation computes them
+  (teacher.capture=during, the default).
 
     python scripts/bench_teacher.py [--prompts 32] [--max-new-tokens 96] [--dtype float32] [--batch-size 32]
 
@@ -73,25 +74,20 @@ def main() -> None:
         return generate(model, prompts, batch_size=t.batch_size, prefill_tokens=t.prefill_batch_tokens, **common)
 
     def continuous_with_taps():
-        """Continuous batching that also keeps every tapped layer's output of every forward (what capturing
-        features during generation must at least do; arranging them per sample comes on top)."""
-        kept: list[torch.Tensor] = []
-        hooks = [model.model.layers[i].register_forward_hook(lambda m, a, out: kept.append(
-            (out[0] if isinstance(out, tuple) else out).detach())) for i in layer_ids]
-        try:
-            return continuous()
-        finally:
-            for h in hooks:
-                h.remove()
+        """The teacher's default (teacher.capture=during): continuous batching that keeps every tapped layer's
+        hidden states of every token as generation computes them."""
+        replies, _ = generate(model, prompts, batch_size=t.batch_size, prefill_tokens=t.prefill_batch_tokens,
+                              taps=layer_ids, **common)
+        return replies
 
     runs = {}
     for name, fn in (("one prompt at a time (model.generate)", None if args.skip_baseline else one_at_a_time),
                      ("static batches (rows leave, no refill)", static),
-                     ("continuous batching (the teacher)", continuous),
-                     ("continuous batching + taps kept during generation", continuous_with_taps)):
+                     ("continuous batching", continuous),
+                     ("continuous batching + features kept (the teacher)", continuous_with_taps)):
         if fn is not None:
             runs[name] = timed(fn)
-    samples = [{"input_ids": p + r} for p, r in zip(prompts, runs["continuous batching (the teacher)"][0])]
+    samples = [{"input_ids": p + r} for p, r in zip(prompts, runs["continuous batching"][0])]
     _, capture_s = timed(lambda: add_features(target, samples, layer_ids, cfg))
 
     base = next(iter(runs.values()))
@@ -100,11 +96,16 @@ def main() -> None:
         rate = sum(map(len, replies)) / secs
         same = sum(a == b for a, b in zip(base[0], replies))
         print(f"{name:52s} {rate:8.1f} {rate / (sum(map(len, base[0])) / base[1]):7.2f}x {same:>6d}/{len(prompts)}")
-    cont = runs["continuous batching (the teacher)"][1]
-    taps = runs["continuous batching + taps kept during generation"][1]
-    print(f"separate feature-capture pass: {capture_s:.1f} s = {100 * capture_s / (cont + capture_s):.0f}% of "
-          f"teacher time; keeping taps during generation cost {taps - cont:+.1f} s "
-          f"({'cheaper' if taps - cont < capture_s else 'dearer'} than the pass)")
+    cont = runs["continuous batching"][1]
+    taps = runs["continuous batching + features kept (the teacher)"][1]
+    tokens = sum(map(len, runs["continuous batching"][0]))
+    print(f"features by a separate capture pass (teacher.capture=separate): {capture_s:.1f} s = "
+          f"{100 * capture_s / (cont + capture_s):.0f}% of generation + pass; kept during generation "
+          f"(teacher.capture=during): {taps - cont:+.1f} s")
+    print(f"teacher with features, generated tok/s: separate pass {tokens / (cont + capture_s):.1f}, during "
+          f"{tokens / taps:.1f} ({(cont + capture_s) / taps:.2f}x)"
+          + (f"; against one prompt at a time (no features): {tokens / taps / (sum(map(len, base[0])) / base[1]):.2f}x"
+             if not args.skip_baseline else ""))
 
 
 if __name__ == "__main__":

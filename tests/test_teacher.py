@@ -259,22 +259,25 @@ def test_continuous_batching_replies_equal_one_prompt_at_a_time(sampling):
 
 def test_continuous_batching_gives_the_unbatched_dataset(tiny_target):
     """The teacher's continuously batched regeneration writes exactly the dataset of the one-row-at-a-time path:
-    ids, loss masks and features (both turns, a batch smaller than the samples, a prefill budget that splits
-    admissions)."""
+    ids, loss masks, top-k and features (both turns, a batch smaller than the samples, a prefill budget that splits
+    admissions); with features kept during generation (the default), equal to float rounding."""
     from dflash_pipeline.data.sources import load_conversations
-    from dflash_pipeline.data.teacher import add_features, regenerate
+    from dflash_pipeline.data.teacher import teacher_samples
 
     def dataset(*overrides):
         cfg = make_config(*overrides)
         convs = load_conversations("sharegpt", limit=cfg.data.num_samples, tokenizer=tiny_target.tokenizer,
                                    max_prompt_tokens=cfg.data.max_prompt_tokens, log=lambda s: None)
-        samples = regenerate(tiny_target, convs, cfg, cfg.seed)
-        add_features(tiny_target, samples, [0, 1], cfg)
-        return samples
+        return teacher_samples(tiny_target, convs, cfg, [0, 1, 5])
 
-    unbatched = dataset("teacher.batch_size=1")
-    continuous = dataset("teacher.batch_size=3", "teacher.prefill_batch_tokens=200")
+    unbatched = dataset("teacher.batch_size=1", "teacher.capture=separate")
+    batched = ("teacher.batch_size=3", "teacher.prefill_batch_tokens=200")
+    continuous = dataset(*batched, "teacher.capture=separate")
+    during = dataset(*batched, "teacher.capture=during")
     assert sum(s["num_turns"] for s in unbatched) > len(unbatched), "second turns regenerated too"
-    for a, b in zip(unbatched, continuous):
-        assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+    for a, b, c in zip(unbatched, continuous, during):
+        assert a["input_ids"] == b["input_ids"] == c["input_ids"] and a["loss_mask"] == b["loss_mask"] == c["loss_mask"]
         assert torch.equal(a["features"], b["features"]) and torch.equal(a["topk_ids"], b["topk_ids"])
+        assert c["features"].shape == a["features"].shape == (len(a["input_ids"]), 3 * tiny_target.hidden_size)
+        torch.testing.assert_close(c["features"], a["features"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c["topk_logprobs"], a["topk_logprobs"], rtol=1e-4, atol=1e-4)
