@@ -171,3 +171,29 @@ def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path)
     launch(1, tmp_path / "switch", "trainer.steps=2")
     switched = launch(2, tmp_path / "switch", "trainer.steps=4", "trainer.resume=true")
     assert switched == pytest.approx(one, rel=1e-4)
+
+
+def test_training_subsets_are_nested_and_share_the_heldout_split(tiny_teacher):
+    from dflash_pipeline.data.splits import split_heldout
+
+    ids = [f"sample-{i}" for i in range(50)]
+    full, held = split_heldout(ids, 5)
+    small, held_small = split_heldout(ids, 5, 10)
+    mid, held_mid = split_heldout(ids, 5, 20)
+    assert held == held_small == held_mid and len(full) == 45
+    assert len(small) == 10 and len(mid) == 20 and set(small) < set(mid) < set(full)
+    comp = DrafterComponent(make_config("trainer.train_samples=3"), StageInputs(tiny_teacher), torch.device("cpu"))
+    assert len(comp.train_idx) == 3 and comp.heldout_idx == split_heldout(comp.data.ids, 2)[1]
+
+
+def test_feature_noise_is_seeded_per_step_and_scaled_to_the_features(tiny_teacher):
+    noisy = DrafterComponent(make_config("trainer.feature_noise=0.1"), StageInputs(tiny_teacher), torch.device("cpu"))
+    clean = DrafterComponent(make_config(), StageInputs(tiny_teacher), torch.device("cpu"))
+    idx = noisy.train_idx[:2]
+    a, b, c = noisy.batch(idx, step=3), noisy.batch(idx, step=3), clean.batch(idx, step=3)
+    assert torch.equal(a["features"], b["features"]), "the same step draws the same noise (resumable)"
+    assert not torch.equal(a["features"], noisy.batch(idx, step=4)["features"])
+    diff = (a["features"].float() - c["features"].float())[c["context_valid"]]
+    rms = c["features"].float()[c["context_valid"]].pow(2).mean(-1).sqrt()
+    ratio = diff.pow(2).mean(-1).sqrt() / rms
+    assert 0.07 < float(ratio.median()) < 0.13, "noise of 0.1 x each feature vector's RMS"
