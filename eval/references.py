@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.models.generation import generate
 from dflash_pipeline.models.target import Target
@@ -83,8 +84,14 @@ class ReferenceCache:
         if missing:
             t = self.target
             order = sorted(missing, key=lambda i: len(prompts[i]))
-            new = generate(t.model, [prompts[i] for i in order], max_new_tokens=max_new_tokens, eos_ids=t.eos_ids,
-                           pad_id=t.tokenizer.pad_token_id, batch_size=self.batch_size)
+            with Progress("AR references", len(missing), "reply") as bar:
+                def on_step(new_tokens: int, finished: list[int]) -> None:
+                    bar.add("tok", new_tokens)
+                    bar.update(len(finished))
+
+                new = generate(t.model, [prompts[i] for i in order], max_new_tokens=max_new_tokens,
+                               eos_ids=t.eos_ids, pad_id=t.tokenizer.pad_token_id, batch_size=self.batch_size,
+                               on_step=on_step)
             self.folder.mkdir(parents=True, exist_ok=True)
             for i, reply in zip(order, new):
                 key = self.key(prompts[i], max_new_tokens)
