@@ -43,8 +43,8 @@ def target_fingerprint(target: Target) -> str:
 class ReferenceCache:
     """Greedy autoregressive replies of one target, cached on disk by key hash."""
 
-    def __init__(self, folder: str | Path, target: Target, batch_size: int = 16):
-        self.target, self.batch_size = target, batch_size
+    def __init__(self, folder: str | Path, target: Target, batch_size: int = 16, prefill_tokens: int = 4096):
+        self.target, self.batch_size, self.prefill_tokens = target, batch_size, prefill_tokens
         self.fingerprint = target_fingerprint(target)
         self.folder = Path(folder) / self.fingerprint
         self.generated = self.reused = 0
@@ -91,7 +91,7 @@ class ReferenceCache:
 
                 new = generate(t.model, [prompts[i] for i in order], max_new_tokens=max_new_tokens,
                                eos_ids=t.eos_ids, pad_id=t.tokenizer.pad_token_id, batch_size=self.batch_size,
-                               on_step=on_step)
+                               prefill_tokens=self.prefill_tokens, on_step=on_step)
             self.folder.mkdir(parents=True, exist_ok=True)
             for i, reply in zip(order, new):
                 key = self.key(prompts[i], max_new_tokens)
