@@ -84,7 +84,7 @@ class ReferenceCache:
         if missing:
             t = self.target
             order = sorted(missing, key=lambda i: len(prompts[i]))
-            with Progress("AR references", len(missing), "reply") as bar:
+            with Progress("AR references", len(missing), "prompt") as bar:
                 def on_step(new_tokens: int, finished: list[int]) -> None:
                     bar.add("tok", new_tokens)
                     bar.update(len(finished))
