@@ -31,7 +31,7 @@ from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, write_shard
 from dflash_pipeline.data.sources import load_conversations
-from dflash_pipeline.models.generation import capture, generate
+from dflash_pipeline.models.generation import budget_batches, capture, generate
 from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -58,19 +58,6 @@ def chat_segments(tokenizer, messages: list[dict], max_turns: int) -> list[list[
         head, rest = rest.split(f"@@REPLY{k}@@", 1)
         pieces.append(head)
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in pieces]
-
-
-def budget_batches(samples: list[dict], max_rows: int, max_tokens: int) -> list[list[dict]]:
-    """Consecutive batches of length-sorted samples with at most max_rows rows and rows x longest <= max_tokens
-    (one row always fits): long prompts go in small batches, so padding never dominates a prefill."""
-    batches: list[list[dict]] = []
-    for s in samples:
-        width = len(s["input_ids"])
-        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * width <= max_tokens:
-            batches[-1].append(s)
-        else:
-            batches.append([s])
-    return batches
 
 
 def sample_seed(seed: int, sample_id: str, turn: int) -> int:

@@ -228,13 +228,31 @@ def capture(
     return results
 
 
-def recapture(model, items: list[dict], layer_ids: list[int], *, pad_id: int, final: bool = False) -> list[dict]:
+def budget_batches(samples: list, max_rows: int, max_tokens: int) -> list[list]:
+    """Consecutive batches of length-sorted samples with at most max_rows rows and rows x longest <= max_tokens
+    (one row always fits): long prompts go in small batches, so padding never dominates a prefill."""
+    batches: list[list] = []
+    for s in samples:
+        width = len(s["input_ids"])
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * width <= max_tokens:
+            batches[-1].append(s)
+        else:
+            batches.append([s])
+    return batches
+
+
+def recapture(model, items: list[dict], layer_ids: list[int], *, pad_id: int, final: bool = False,
+              max_tokens: int = 8192) -> list[dict]:
     """Replace the stored features of teacher-style items (input_ids (T,)) with features captured now, on the CPU:
     for training with the target in the loop, or for a drafter that taps other layers than the stored ones. With
-    `final`, also store the target's final hidden states (`final_hidden`, what the Weaver reads)."""
-    outs = capture(model, [it["input_ids"].tolist() for it in items], layer_ids, pad_id=pad_id, final=final)
-    for it, o in zip(items, outs):
-        it["features"] = o["features"].cpu()
-        if final:
-            it["final_hidden"] = o["final_hidden"].float().cpu()
+    `final`, also store the target's final hidden states (`final_hidden`, what the Weaver reads). Items are captured
+    in length-sorted batches of at most `max_tokens` (rows x longest), so one long prompt does not pad every row
+    of a single batch to its length."""
+    ordered = sorted(items, key=lambda it: len(it["input_ids"]))
+    for batch in budget_batches(ordered, len(ordered), max_tokens):
+        outs = capture(model, [it["input_ids"].tolist() for it in batch], layer_ids, pad_id=pad_id, final=final)
+        for it, o in zip(batch, outs):
+            it["features"] = o["features"].cpu()
+            if final:
+                it["final_hidden"] = o["final_hidden"].float().cpu()
     return items

@@ -23,8 +23,8 @@ from hydra import compose, initialize_config_module
 
 from dflash_pipeline.conf.schema import register
 from dflash_pipeline.data.sources import load_conversations
-from dflash_pipeline.data.teacher import add_features, budget_batches, chat_segments
-from dflash_pipeline.models.generation import generate
+from dflash_pipeline.data.teacher import add_features, chat_segments
+from dflash_pipeline.models.generation import budget_batches, generate
 from dflash_pipeline.models.target import load_target, resolve_layer_ids
 
 

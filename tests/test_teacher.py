@@ -15,6 +15,7 @@ from dflash_pipeline.data import teacher as teacher_mod
 from dflash_pipeline.data.shards import DatasetError, TeacherDataset
 from dflash_pipeline.data.sources import DataSourceError
 from dflash_pipeline.data.teacher import chat_segments, run_teacher
+from dflash_pipeline.models.generation import budget_batches, recapture
 from dflash_pipeline.models.target import TargetError, default_layer_ids, load_target
 
 from conftest import make_config
@@ -45,6 +46,24 @@ def test_features_equal_target_hidden_states_despite_padding(tiny_teacher, tiny_
         assert item["features"].dtype == torch.bfloat16
         assert item["features"].shape == want.shape
         torch.testing.assert_close(item["features"].float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_recapture_in_budgeted_batches_equals_one_sequence_at_a_time(tiny_teacher, tiny_target):
+    """The eval recaptures features of prompts of very different lengths: batching them under a token budget
+    (rows x longest) must give each sequence the features it has alone, in the items' own order."""
+    ds = TeacherDataset(tiny_teacher)
+    items = [{"input_ids": ds[i]["input_ids"]} for i in reversed(range(len(ds)))]
+    pad = tiny_target.tokenizer.pad_token_id
+    longest = max(len(it["input_ids"]) for it in items)
+    with torch.no_grad():
+        batched = recapture(tiny_target.model, [dict(it) for it in items], ds.layer_ids, pad_id=pad,
+                            max_tokens=2 * longest, final=True)
+        alone = [recapture(tiny_target.model, [dict(it)], ds.layer_ids, pad_id=pad, final=True)[0] for it in items]
+    for b, a in zip(batched, alone):
+        assert b["features"].shape[0] == len(b["input_ids"])
+        torch.testing.assert_close(b["features"], a["features"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b["final_hidden"], a["final_hidden"], rtol=1e-4, atol=1e-4)
+    assert len(budget_batches(sorted(items, key=lambda it: len(it["input_ids"])), len(items), 2 * longest)) > 1
 
 
 def test_replies_equal_unbatched_greedy_generation(tiny_teacher, tiny_target):
