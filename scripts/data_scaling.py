@@ -75,14 +75,19 @@ def main() -> None:
             train_dir = run_dir / "train"
         held = final_heldout(train_dir)
         points.append({"sequences": size, "reply_tokens": reply_tokens(data, args.heldout, size),
-                       "steps": held["step"], "tau_offline": held["tau_offline"], "a_1": held["a_k"][0],
+                       "steps": held["step"], "tau_offline": held["tau_offline"],
+                       "tau_offline_ci95": held.get("tau_offline_ci95"), "a_1": held["a_k"][0],
                        "train_dir": str(train_dir)})
         print(json.dumps(points[-1]), flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["| training sequences | reply tokens | steps | held-out tau_offline | held-out a_1 |", "|---|---|---|---|---|"]
-    lines += [f"| {p['sequences']} | {p['reply_tokens']:,} | {p['steps']} | {p['tau_offline']:.3f} | {p['a_1']:.3f} |"
-              for p in points]
+    def ci(p: dict) -> str:
+        return "[{:.3f}, {:.3f}]".format(*p["tau_offline_ci95"]) if p.get("tau_offline_ci95") else ""
+
+    lines = ["| training sequences | reply tokens | steps | held-out tau_offline [95% CI] | held-out a_1 |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {p['sequences']} | {p['reply_tokens']:,} | {p['steps']} | {p['tau_offline']:.3f} {ci(p)} | "
+              f"{p['a_1']:.3f} |" for p in points]
     (out / "scaling.md").write_text("\n".join(lines) + "\n")
     (out / "scaling.json").write_text(json.dumps(points, indent=2))
 
@@ -92,7 +97,10 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     xs = [p["reply_tokens"] for p in points]
-    ax.plot(xs, [p["tau_offline"] for p in points], "o-", label="held-out tau_offline")
+    taus = [p["tau_offline"] for p in points]
+    bounds = [p.get("tau_offline_ci95") or [t, t] for p, t in zip(points, taus)]
+    ax.errorbar(xs, taus, yerr=[[t - b[0] for t, b in zip(taus, bounds)], [b[1] - t for t, b in zip(taus, bounds)]],
+                fmt="o-", capsize=3, label="held-out tau_offline (95% CI)")
     ax.plot(xs, [1 + p["a_1"] for p in points], "s--", label="1 + held-out a_1")
     ax.set_xscale("log")
     ax.set_xlabel("teacher reply tokens trained on")
