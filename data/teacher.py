@@ -31,7 +31,7 @@ from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, write_shard
 from dflash_pipeline.data.sources import load_conversations
-from dflash_pipeline.models.generation import budget_batches, capture, generate
+from dflash_pipeline.models.generation import capture_batched, generate
 from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -137,14 +137,11 @@ def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg:
             vals, idx = logp.topk(k, dim=-1)
             s["topk_logprobs"] = torch.cat([vals.new_zeros(1, k), vals])
             s["topk_ids"] = torch.cat([idx.new_zeros(1, k), idx])
-    ordered = sorted((s for s in samples if "features" not in s), key=lambda s: len(s["input_ids"]))
-    if not ordered:
-        return
-    for batch in budget_batches(ordered, len(ordered), cfg.teacher.capture_batch_tokens):
-        outs = capture(target.model, [s["input_ids"] for s in batch], layer_ids,
-                       pad_id=target.tokenizer.pad_token_id, topk=cfg.teacher.topk_logprobs)
-        for s, o in zip(batch, outs):
-            s.update(o)
+    todo = [s for s in samples if "features" not in s]
+    outs = capture_batched(target.model, [s["input_ids"] for s in todo], layer_ids, pad_id=target.tokenizer.pad_token_id,
+                           max_tokens=cfg.teacher.capture_batch_tokens, topk=k)
+    for s, o in zip(todo, outs):
+        s.update(o)
 
 
 def teacher_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_ids: list[int],

@@ -228,31 +228,41 @@ def capture(
     return results
 
 
-def budget_batches(samples: list, max_rows: int, max_tokens: int) -> list[list]:
-    """Consecutive batches of length-sorted samples with at most max_rows rows and rows x longest <= max_tokens
+def budget_batches(sequences: list, max_rows: int, max_tokens: int) -> list[list]:
+    """Consecutive batches of length-sorted sequences with at most max_rows rows and rows x longest <= max_tokens
     (one row always fits): long prompts go in small batches, so padding never dominates a prefill."""
     batches: list[list] = []
-    for s in samples:
-        width = len(s["input_ids"])
-        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * width <= max_tokens:
+    for s in sequences:
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * len(s) <= max_tokens:
             batches[-1].append(s)
         else:
             batches.append([s])
     return batches
 
 
+def capture_batched(model, sequences: list[list[int]], layer_ids: list[int], *, pad_id: int, max_tokens: int = 8192,
+                    topk: int = 0, final: bool = False) -> list[dict[str, torch.Tensor]]:
+    """capture() in length-sorted batches of at most `max_tokens` (rows x longest), so one long sequence does not
+    pad every row of a single batch to its length; results in the order of `sequences`."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    results: list[dict] = [{}] * len(sequences)
+    done = 0
+    for batch in budget_batches([sequences[i] for i in order], len(order), max_tokens):
+        for out in capture(model, batch, layer_ids, pad_id=pad_id, topk=topk, final=final):
+            results[order[done]] = out
+            done += 1
+    return results
+
+
 def recapture(model, items: list[dict], layer_ids: list[int], *, pad_id: int, final: bool = False,
               max_tokens: int = 8192) -> list[dict]:
     """Replace the stored features of teacher-style items (input_ids (T,)) with features captured now, on the CPU:
     for training with the target in the loop, or for a drafter that taps other layers than the stored ones. With
-    `final`, also store the target's final hidden states (`final_hidden`, what the Weaver reads). Items are captured
-    in length-sorted batches of at most `max_tokens` (rows x longest), so one long prompt does not pad every row
-    of a single batch to its length."""
-    ordered = sorted(items, key=lambda it: len(it["input_ids"]))
-    for batch in budget_batches(ordered, len(ordered), max_tokens):
-        outs = capture(model, [it["input_ids"].tolist() for it in batch], layer_ids, pad_id=pad_id, final=final)
-        for it, o in zip(batch, outs):
-            it["features"] = o["features"].cpu()
-            if final:
-                it["final_hidden"] = o["final_hidden"].float().cpu()
+    `final`, also store the target's final hidden states (`final_hidden`, what the Weaver reads)."""
+    outs = capture_batched(model, [it["input_ids"].tolist() for it in items], layer_ids, pad_id=pad_id,
+                           max_tokens=max_tokens, final=final)
+    for it, o in zip(items, outs):
+        it["features"] = o["features"].cpu()
+        if final:
+            it["final_hidden"] = o["final_hidden"].float().cpu()
     return items

@@ -66,8 +66,8 @@ def main() -> None:
 
     def static():
         replies = []
-        for batch in budget_batches([{"input_ids": p} for p in prompts], t.batch_size, t.prefill_batch_tokens):
-            replies += generate(model, [s["input_ids"] for s in batch], **common)
+        for batch in budget_batches(prompts, t.batch_size, t.prefill_batch_tokens):
+            replies += generate(model, batch, **common)
         return replies
 
     def continuous():

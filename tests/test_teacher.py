@@ -63,7 +63,7 @@ def test_recapture_in_budgeted_batches_equals_one_sequence_at_a_time(tiny_teache
         assert b["features"].shape[0] == len(b["input_ids"])
         torch.testing.assert_close(b["features"], a["features"], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b["final_hidden"], a["final_hidden"], rtol=1e-4, atol=1e-4)
-    assert len(budget_batches(sorted(items, key=lambda it: len(it["input_ids"])), len(items), 2 * longest)) > 1
+    assert len(budget_batches(sorted((it["input_ids"] for it in items), key=len), len(items), 2 * longest)) > 1
 
 
 def test_replies_equal_unbatched_greedy_generation(tiny_teacher, tiny_target):
