@@ -31,7 +31,7 @@ from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, write_shard
 from dflash_pipeline.data.sources import load_conversations
-from dflash_pipeline.models.generation import capture_batched, generate
+from dflash_pipeline.models.generation import capture_batched, generate, topk_logprobs
 from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -132,11 +132,7 @@ def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg:
     for s in samples:
         final = s.pop("final_hidden", None)
         if final is not None and k:
-            with torch.no_grad():
-                logp = torch.log_softmax(target.model.lm_head(final[:-1]).float(), dim=-1)
-            vals, idx = logp.topk(k, dim=-1)
-            s["topk_logprobs"] = torch.cat([vals.new_zeros(1, k), vals])
-            s["topk_ids"] = torch.cat([idx.new_zeros(1, k), idx])
+            s.update(topk_logprobs(target.model, final, k))
     todo = [s for s in samples if "features" not in s]
     outs = capture_batched(target.model, [s["input_ids"] for s in todo], layer_ids, pad_id=target.tokenizer.pad_token_id,
                            max_tokens=cfg.teacher.capture_batch_tokens, topk=k)

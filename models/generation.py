@@ -190,6 +190,22 @@ def generate(
 
 
 @torch.no_grad()
+def topk_logprobs(model, final_hidden: torch.Tensor, k: int, chunk: int = 256) -> dict[str, torch.Tensor]:
+    """The target's top-k log-probs and ids of the distribution that predicted each token of a sequence, from its
+    final hidden states (T, H): row t from the logits at t-1, row 0 zero. The top-k of the logits minus their
+    logsumexp, in chunks of rows, so no (T, V) log-softmax is materialised."""
+    rows = final_hidden[:-1]
+    vals, ids = [], []
+    for i in range(0, len(rows), chunk):
+        logits = model.lm_head(rows[i: i + chunk]).float()
+        v, j = logits.topk(k, dim=-1)
+        vals.append(v - torch.logsumexp(logits, dim=-1, keepdim=True))
+        ids.append(j)
+    zeros = torch.zeros(1, k, device=final_hidden.device)
+    return {"topk_logprobs": torch.cat([zeros, *vals]), "topk_ids": torch.cat([zeros.long(), *ids])}
+
+
+@torch.no_grad()
 def capture(
     model,
     sequences: list[list[int]],
@@ -220,10 +236,7 @@ def capture(
         if final:
             item["final_hidden"] = out.last_hidden_state[r, :n]
         if topk:
-            logp = torch.log_softmax(model.lm_head(out.last_hidden_state[r, : n - 1]).float(), dim=-1)  # (n-1, V)
-            vals, idx = logp.topk(topk, dim=-1)
-            item["topk_logprobs"] = torch.cat([vals.new_zeros(1, topk), vals])
-            item["topk_ids"] = torch.cat([idx.new_zeros(1, topk), idx])
+            item.update(topk_logprobs(model, out.last_hidden_state[r, :n], topk))
         results.append(item)
     return results
 

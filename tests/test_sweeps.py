@@ -165,6 +165,29 @@ def test_optuna_sweep_maximises_heldout_tau_and_continues_its_study(tiny_teacher
         assert t.value == pytest.approx(held[-1]["tau_offline"])
 
 
+def test_recipe_sweep_searches_the_mlp_width_only_for_random_init_and_shares_its_study(tiny_teacher, tmp_path):
+    optuna = pytest.importorskip("optuna", reason="the sweep extra: pip install -e '.[sweep]'")
+    base = [console("dflash-train"), "-m", "experiment=tiny", "sweep=optuna_recipe", f"hydra.sweep.dir={tmp_path}",
+            f"trainer.data_dir={tiny_teacher}", "trainer.train_samples=null", "trainer.heldout_samples=2",
+            "trainer.steps=2", "trainer.eval_every=2", "hydra.sweeper.n_trials=3"]
+    # two processes on one study, as on two cores: each its own seed (its sampler's too, and its own job folders)
+    procs = [subprocess.Popen(base + [f"seed={s}"], env=user_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for s in (0, 1)]
+    for p in procs:
+        out = p.communicate(timeout=900)[0]
+        assert p.returncode == 0, out[-3000:]
+    study = optuna.load_study(study_name="recipe", storage=f"sqlite:///{tmp_path}/optuna.db")
+    trials = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert len(trials) == 6
+    assert {t.params["trainer.loss"] for t in trials} <= {"decay", "dpace", "kl"}
+    for t in trials:
+        assert ("drafter.intermediate_size" in t.params) == (t.params["drafter.init"] == "random")
+        jobs = [j for j in (tmp_path / "multirun").iterdir()
+                if all(f"{k}={v}" in j.name.split(",") for k, v in t.params.items())]
+        held = [[row["heldout"] for row in metrics(j / "train") if "heldout" in row][-1]["tau_offline"] for j in jobs]
+        assert t.value in [pytest.approx(h) for h in held]
+
+
 def test_teacher_generated_by_two_processes_equals_the_one_process_dataset(tmp_path):
     def launch(n: int, run_dir: Path) -> TeacherDataset:
         run_command(accelerate_launch(n, "-m", "dflash_pipeline.data", "experiment=tiny", f"hydra.run.dir={run_dir}"))

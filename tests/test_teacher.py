@@ -300,3 +300,18 @@ def test_continuous_batching_gives_the_unbatched_dataset(tiny_target):
         assert c["features"].shape == a["features"].shape == (len(a["input_ids"]), 3 * tiny_target.hidden_size)
         torch.testing.assert_close(c["features"], a["features"], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(c["topk_logprobs"], a["topk_logprobs"], rtol=1e-4, atol=1e-4)
+
+
+def test_stored_topk_logprobs_are_the_targets_log_softmax_topk(tiny_target):
+    """The chunked top-k (logits' top-k minus their logsumexp) equals the top-k of the full log-softmax, row t from
+    the logits at t-1 and row 0 zero, across chunk boundaries."""
+    from dflash_pipeline.models.generation import topk_logprobs
+
+    hidden = torch.randn(11, tiny_target.hidden_size, generator=torch.Generator().manual_seed(0))
+    out = topk_logprobs(tiny_target.model, hidden, 4, chunk=3)
+    with torch.no_grad():
+        ref_vals, ref_ids = torch.log_softmax(tiny_target.model.lm_head(hidden[:-1]).float(), -1).topk(4, dim=-1)
+    assert out["topk_logprobs"].shape == (11, 4) and out["topk_ids"].dtype == torch.long
+    assert not out["topk_logprobs"][0].any() and not out["topk_ids"][0].any()
+    torch.testing.assert_close(out["topk_logprobs"][1:], ref_vals)
+    assert torch.equal(out["topk_ids"][1:], ref_ids)
