@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -364,6 +365,15 @@ def _mkdir(path: str) -> str:
     return path
 
 
+def job_dirname(overrides: str, limit: int = 200) -> str:
+    """A sweep job's folder name: its overrides (`a=1,b=2`), or when longer than `limit` bytes (file systems stop at
+    255) their first part plus a hash of all of them, so a job with many overrides still gets its own folder."""
+    if len(overrides.encode()) <= limit:
+        return overrides
+    digest = hashlib.sha256(overrides.encode()).hexdigest()[:16]
+    return overrides.encode()[: limit - 17].decode(errors="ignore") + "-" + digest
+
+
 def root_config_groups() -> list[tuple[str, type]]:
     from dflash_pipeline.train import catalogue
 
@@ -376,6 +386,7 @@ def register() -> None:
     cs.store(name="base_config", node=root_config())
     # ${mkdir:path} -> path, created: for files opened before Hydra makes the sweep folder (the Optuna study).
     OmegaConf.register_new_resolver("mkdir", _mkdir, replace=True)
+    OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)  # conf/config.yaml: hydra.sweep.subdir
     for group, node in [
         ("target", TargetConfig),
         ("data", DataConfig),

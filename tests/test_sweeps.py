@@ -236,3 +236,18 @@ def test_slurm_launcher_runs_each_job_as_one_distributed_job_per_task(tiny_teach
     one = run_train(make_config("trainer.lr=1e-3", "logger=none"), tmp_path / "one", data_dir=tiny_teacher)
     losses = [[row["loss"] for row in metrics(d)] for d in (job / "train", one)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+def test_sweep_job_folders_stay_short_enough_for_the_file_system():
+    """Many overrides make a folder name over 255 bytes (an OSError at the job's start): past 200 bytes the name is a
+    prefix plus a hash, still one folder per override set."""
+    from dflash_pipeline.conf.schema import job_dirname
+
+    short = "drafter.num_layers=1,trainer.lr=0.001"
+    assert job_dirname(short) == short
+    long_a = ",".join(f"trainer.option_{i}={i}" for i in range(20))
+    long_b = long_a.replace("option_19=19", "option_19=20")
+    a, b = job_dirname(long_a), job_dirname(long_b)
+    assert len(a.encode()) <= 200 and len(b.encode()) <= 200 and a != b and a.startswith("trainer.option_0=0,")
+    assert job_dirname(long_a) == a
+    assert "job_dirname:" in (ROOT / "conf" / "config.yaml").read_text()
