@@ -360,9 +360,19 @@ def _out_of_range(value, bounds: dict) -> str | None:
     return None
 
 
-def _mkdir(path: str) -> str:
-    Path(path).mkdir(parents=True, exist_ok=True)
-    return path
+def _optuna_storage(folder: str) -> str:
+    """${optuna_storage:folder} -> the sqlite URL of folder/optuna.db, its tables created under a file lock: sweep
+    processes started together on one study would otherwise race to create them ("table studies already exists")."""
+    from filelock import FileLock
+
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{path}/optuna.db"
+    with FileLock(str(path / "optuna.db.lock")):
+        import optuna
+
+        optuna.storages.RDBStorage(url)
+    return url
 
 
 def job_dirname(overrides: str, limit: int = 200) -> str:
@@ -384,9 +394,8 @@ def register() -> None:
     """Register the schema: `base_config` for the root, `<group>/base` for each group's YAML files to extend."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=root_config())
-    # ${mkdir:path} -> path, created: for files opened before Hydra makes the sweep folder (the Optuna study).
-    OmegaConf.register_new_resolver("mkdir", _mkdir, replace=True)
     OmegaConf.register_new_resolver("job_dirname", job_dirname, replace=True)  # conf/config.yaml: hydra.sweep.subdir
+    OmegaConf.register_new_resolver("optuna_storage", _optuna_storage, replace=True)  # conf/sweep/*.yaml
     for group, node in [
         ("target", TargetConfig),
         ("data", DataConfig),
