@@ -43,6 +43,20 @@ class EvalContext:
     block_size: int
     calibration: list[dict] = field(default_factory=list)  # teacher-forced items apart from the eval prompts
     tree_cost: dict[int, float] = field(default_factory=dict)  # N -> verifying a tree of N nodes / a 1-token step
+    ar_cost: float = 1.0  # a plain autoregressive step (no features out) / a 1-token target step
+    context_tokens: int = 0  # the context length the curve was measured at
+
+    @classmethod
+    def measured(cls, costs: dict, block_size: int, calibration: list[dict] | None = None) -> EvalContext:
+        """From measure_costs' result."""
+        return cls(costs["verify_cost"], costs["draft_cost"], costs["step_ms"] / 1e3, block_size,
+                   list(calibration or []), costs["tree_cost"], costs["ar_step_cost"], costs["context_tokens"])
+
+    def report(self) -> dict:
+        """What eval_results.json records of the curve."""
+        return {"verify_cost": self.verify_cost, "draft_cost": self.draft_cost, "ar_cost": self.ar_cost,
+                "step_ms": self.step_s * 1e3, "context_tokens": self.context_tokens,
+                "tree_cost": {str(n): c for n, c in self.tree_cost.items()}}
 
     def round_cost(self, verified: int, drafted: bool = True) -> float:
         """A round's cost in target steps: verify anchor + `verified` drafts (beyond the block: a tree of that many
@@ -62,7 +76,8 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     `context_ids`, the drafter's block forward in the same unit, and for each N of tree_sizes the verification of
     an N-node tree (eval/tree.py verify_tree: ancestor mask, greedy walk, cache compaction). Repeats interleave every
     size (one warm-up pass first); medians. Verification is timed as the eval loop runs it (hidden states out,
-    cache cropped after)."""
+    cache cropped after); ar_step_cost is a plain decoding step as autoregressive() runs it (no hidden states) in
+    the same unit, the baseline a speedup is measured against."""
     from dflash_pipeline.eval.tree import DraftTree, verify_tree
 
     model = target.model
@@ -87,8 +102,16 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
         trees[N] = DraftTree(torch.full((N,), anchor), parents, depths)
     tree_times: dict[int, list[float]] = {N: [] for N in trees}
     draft: list[float] = []
+    ar_step: list[float] = []
     ids = torch.full((1, block_size), anchor, device=device)  # any tokens: only the time is kept
     for r in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()  # a plain decoding step as autoregressive() runs it: no hidden states out
+        model(input_ids=ids[:, :1], position_ids=torch.tensor([[L]], device=device), cache=cache, use_cache=True)
+        crop_cache(cache, L)
+        _sync(device)
+        if r:
+            ar_step.append(time.perf_counter() - t0)
         for n in range(1, block_size + 1):
             _sync(device)
             t0 = time.perf_counter()
@@ -114,15 +137,16 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     step = statistics.median(times[1])
     return {"verify_cost": [statistics.median(times[n]) / step for n in times], "draft_cost":
             statistics.median(draft) / step, "step_ms": 1e3 * step, "context_tokens": L, "repeats": repeats,
+            "ar_step_cost": statistics.median(ar_step) / step,
             "tree_cost": {N: statistics.median(t) / step for N, t in tree_times.items()}}
 
 
 def predicted_speedup(tau: float, verified_hist: list[int], ctx: EvalContext) -> float:
-    """Tokens per round over the mean round cost in target steps (= the speedup over autoregressive decoding if
-    nothing else cost time): tau / E[c(v + 1) + draft]."""
+    """Tokens per round over the mean round cost in autoregressive steps (= the speedup over autoregressive
+    decoding if nothing else cost time): tau * ar / E[c(v + 1) + draft]."""
     rounds = sum(verified_hist)
     cost = sum(n * ctx.round_cost(v) for v, n in enumerate(verified_hist)) / max(1, rounds)
-    return tau / cost if cost else 0.0
+    return tau * ctx.ar_cost / cost if cost else 0.0
 
 
 # -- Boltzmann -----------------------------------------------------------------------------------------------------

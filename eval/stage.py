@@ -47,7 +47,7 @@ from dflash_pipeline.train.logger import RunLogger
 log = logging.getLogger(__name__)
 
 RESULTS = "eval_results.json"
-COST_CONTEXT = 256  # tokens of context under which the verify-cost curve is measured
+COST_CONTEXT = 256  # context of the policies' verify-cost curve (each eval set measures its own: decode_context)
 BUILTIN = {  # benchmark sets are used whole; the ShareGPT train/held-out split applies only to "heldout"
     "mtbench": {"source": "mtbench", "split": "all"},
     "humaneval": {"source": "humaneval", "split": "all"},
@@ -261,9 +261,15 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "mismatches": mismatches,
         "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
     }
-    if costs is not None and accepted:  # tokens over the rounds' cost in 1-token target steps
-        spent = sum(costs.round_cost(v, d) for v, d in zip(verified, drafted))
+    ar_step_ms = 1e3 * _median(ar_decode)
+    res["ar_step_ms"] = ar_step_ms  # a decoding step of the autoregressive runs
+    if draft_s and ar_step_ms:  # what a round cost inside these decodes, in those steps
+        res["round_cost_in_decode"] = 1e3 * (total_draft + total_verify) / len(draft_s) / ar_step_ms
+    if costs is not None and accepted:  # tokens over the rounds' cost in autoregressive steps, from the curve
+        spent = sum(costs.round_cost(v, d) for v, d in zip(verified, drafted)) / costs.ar_cost
+        res["round_cost_predicted"] = spent / len(accepted)
         res["predicted_speedup"] = (sum(accepted) + len(accepted)) / spent
+        res["measured_over_predicted"] = res["speedup_decode"] / res["predicted_speedup"]
     log.info("%s %s: tau_online %.3f a_k %s speedup %.2fx (AR %.1f tok/s, spec %.1f tok/s), exact %s", method.name,
              label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
              res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
@@ -352,12 +358,26 @@ def eval_context(cfg: DictConfig, target: Target, drafter: DFlashDrafter, block_
     first = next(iter(prompt_sets.values()))[0]["prompt_ids"]
     context = calibration[0]["input_ids"][:COST_CONTEXT].tolist() if calibration else first[-COST_CONTEXT:]
     trees = tuple(cfg.eval.tree_budgets) if any(catalogue.methods()[m][1].tree for m in cfg.eval.methods) else ()
+    return cost_curve(target, drafter, context, block_size, trees, calibration, "calibration")
+
+
+def cost_curve(target: Target, drafter: DFlashDrafter, context: list[int], block_size: int, trees: tuple[int, ...],
+               calibration: list[dict], label: str) -> EvalContext:
+    """measure_costs after a prefill of `context`, logged and wrapped as an EvalContext."""
     costs = measure_costs(target, drafter, context, block_size, tree_sizes=trees)
-    log.info("verify cost c(n) / c(1), n = 1..%d: %s; draft %.2f; 1-token step %.1f ms; trees of N nodes: %s",
-             block_size, [round(c, 2) for c in costs["verify_cost"]], costs["draft_cost"], costs["step_ms"],
-             {n: round(c, 2) for n, c in costs["tree_cost"].items()})
-    return EvalContext(costs["verify_cost"], costs["draft_cost"], costs["step_ms"] / 1e3, block_size, calibration,
-                       costs["tree_cost"])
+    log.info("%s: verify cost c(n) / c(1), n = 1..%d, at %d tokens of context: %s; draft %.2f; autoregressive "
+             "step %.2f; 1-token step %.1f ms; trees of N nodes: %s", label, block_size, len(context),
+             [round(c, 2) for c in costs["verify_cost"]], costs["draft_cost"], costs["ar_step_cost"],
+             costs["step_ms"], {n: round(c, 2) for n, c in costs["tree_cost"].items()})
+    return EvalContext.measured(costs, block_size, calibration)
+
+
+def decode_context(prompts: list[dict], max_new_tokens: int, room: int) -> list[int]:
+    """Tokens as many as the median context of these prompts' decodes (prompt plus half the reply), so a set's
+    cost curve is measured where its decoding runs (attention grows with the context; turn-2 prompts are long)."""
+    length = min(room, int(statistics.median(len(p["prompt_ids"]) + max_new_tokens // 2 for p in prompts)))
+    ids = list(prompts[0]["prompt_ids"])
+    return (ids * (length // len(ids) + 1))[:length]
 
 
 def drafter_difference(export: Path, drafter_dir: Path) -> str | None:
@@ -451,9 +471,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         log.warning("no offline metrics on held-out teacher data: %s", note)
     results["offline_note"] = note
     ctx = eval_context(cfg, target, drafter, B, items or [], prompt_sets)
-    results["costs"] = {"verify_cost": ctx.verify_cost, "draft_cost": ctx.draft_cost, "step_ms": ctx.step_s * 1e3,
-                        "tree_cost": {str(n): c for n, c in ctx.tree_cost.items()},
-                        "calibration_sequences": len(ctx.calibration)}
+    results["costs"] = {**ctx.report(), "calibration_sequences": len(ctx.calibration), "per_set": {}}
     results["policies"] = {}
     for m, method in methods.items():
         chosen = method.prepare(ctx)
@@ -465,10 +483,14 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, replies[label])]
         on_replies = offline(reply_items(target, layer_ids, seqs, final=bool(trees)), label, e.online_prompts)
         results["offline"][label] = on_replies
+        timed = prompts[: e.online_prompts]
+        here = cost_curve(target, drafter, decode_context(timed, e.max_new_tokens, room), B,
+                          tuple(ctx.tree_cost), [], label) if timed else ctx  # just before this set's timing
+        results["costs"]["per_set"][label] = here.report()
         for m, method in methods.items():
-            online = run_online(target, method, prompts[: e.online_prompts], label=label, block_size=B,
+            online = run_online(target, method, timed, label=label, block_size=B,
                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
-                                repeats=e.timing_repeats, strict=e.strict_exact, costs=ctx)
+                                repeats=e.timing_repeats, strict=e.strict_exact, costs=here)
             online.pop("ar_outputs")
             own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {

@@ -50,7 +50,7 @@ def main() -> None:
                             m.get_output_embeddings()).eval()
     B = drafter.config.block_size
     costs = measure_costs(target, drafter, prompts[0], B)
-    ctx = EvalContext(costs["verify_cost"], costs["draft_cost"], costs["step_ms"] / 1e3, B)
+    ctx = EvalContext.measured(costs, B)
     adaptive = AdaptiveMethod(drafter, OmegaConf.structured(PolicyConfig))
     adaptive.prepare(ctx)  # no calibration data: prior acceptance 0.5 everywhere, which it must unlearn
     chain = ChainMethod(drafter)

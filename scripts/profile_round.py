@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_module
 from dflash_pipeline.conf.schema import register
 from dflash_pipeline.eval.decode import ChainMethod, autoregressive, speculative
 from dflash_pipeline.eval.policies import measure_costs
-from dflash_pipeline.eval.stage import COST_CONTEXT, load_drafter, load_prompts
+from dflash_pipeline.eval.stage import decode_context, load_drafter, load_prompts
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.models.target import load_target
 
@@ -49,13 +49,13 @@ def main() -> None:
     room = target.model.config.max_position_embeddings - args.max_new_tokens - B
     refs = ReferenceCache(Path(cfg.cache_dir) / "references", target)
     prompts = load_prompts(args.set, args.set, cfg, refs, room)[args.set]
-    context = prompts[0]["prompt_ids"][-COST_CONTEXT:]
-    costs = measure_costs(target, drafter, context, B)
+    costs = measure_costs(target, drafter, decode_context(prompts, args.max_new_tokens, room), B)
     step = costs["step_ms"] / 1e3
     print(f"drafter {folder}, block {B}, {args.threads} thread(s), {len(prompts)} {args.set} prompts, "
           f"{args.max_new_tokens} new tokens")
     print("c(n), n=1..B:", [round(c, 2) for c in costs["verify_cost"]], f"draft {costs['draft_cost']:.2f}",
-          f"unit {costs['step_ms']:.1f} ms")
+          f"autoregressive step {costs['ar_step_cost']:.2f}", f"unit {costs['step_ms']:.1f} ms at "
+          f"{costs['context_tokens']} tokens of context")
 
     method = ChainMethod(drafter)
     autoregressive(target, prompts[0]["prompt_ids"], 8), speculative(target, method, prompts[0]["prompt_ids"], 8, B)
@@ -75,7 +75,8 @@ def main() -> None:
     tok = sum(r["tokens"] for r in rows)
     rounds = sum(r["rounds"] for r in rows)
     ar = statistics.median(ar_ms)
-    print(f"AR step (as the AR loop runs it): {ar:.1f} ms = {ar / costs['step_ms']:.2f} x the cost unit")
+    print(f"AR step (as the AR loop runs it): {ar:.1f} ms = {ar / costs['step_ms']:.2f} x the cost unit "
+          f"(calibrated: {costs['ar_step_cost']:.2f})")
     print(f"tau {sum(r['tau'] * r['rounds'] for r in rows) / rounds:.3f} over {rounds} rounds")
     print(f"{'per round, ms':24s} {'measured':>9s} {'predicted':>10s} {'ratio':>6s}")
     for name, key, pkey in (("draft", "draft", "p_draft"), ("verify", "verify", "p_verify")):
@@ -84,7 +85,7 @@ def main() -> None:
     rest = 1e3 * sum(r["rest"] for r in rows) / rounds
     print(f"{'rest of the loop':24s} {rest:9.1f} {0.0:10.1f}")
     measured = ar * tok / (1e3 * sum(r["decode"] for r in rows))
-    predicted = costs["step_ms"] * tok / (1e3 * sum(r["p_draft"] + r["p_verify"] for r in rows))
+    predicted = costs["ar_step_cost"] * costs["step_ms"] * tok / (1e3 * sum(r["p_draft"] + r["p_verify"] for r in rows))
     print(f"decode speedup: measured {measured:.3f}x, predicted from c(n) {predicted:.3f}x, "
           f"measured / predicted {measured / predicted:.3f}")
 

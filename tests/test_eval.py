@@ -15,7 +15,8 @@ from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, conditional_acceptance, offline_metrics, \
     recall_at_k, simulated_tau
-from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, first_mismatch, run_eval, run_online
+from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, decode_context, first_mismatch, run_eval, \
+    run_online
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import generate
 from tests.conftest import chi_square_p, make_config, sampling_case
@@ -358,3 +359,12 @@ def test_eval_skips_when_done(tiny_eval):
     before = (out / "eval_results.json").stat().st_mtime_ns
     run_eval(cfg, out)
     assert (out / "eval_results.json").stat().st_mtime_ns == before
+
+
+def test_cost_curve_context_is_the_median_decode_context():
+    """A set's verify-cost curve is measured where its decodes run: median prompt length + half the reply, capped
+    at the room the target's context leaves."""
+    prompts = [{"prompt_ids": list(range(1, n + 1))} for n in (10, 40, 300)]
+    assert len(decode_context(prompts, max_new_tokens=96, room=10_000)) == 40 + 48
+    assert len(decode_context(prompts, max_new_tokens=96, room=50)) == 50
+    assert decode_context(prompts, 96, 10_000)[:12] == list(range(1, 11)) + [1, 2]  # the first prompt, repeated

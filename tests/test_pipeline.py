@@ -54,6 +54,12 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
                                        "adaptive", "ddtree_4", "ddtree_8", "weaver_tree_4", "weaver_tree_8"}
     assert {"boltzmann", "act", "adaptive", "bmobs"} <= set(results["policies"]) and results["costs"]["verify_cost"]
     assert set(results["costs"]["tree_cost"]) == {"4", "8"}
+    # each set's speed is predicted from a curve measured at its own decode context, in autoregressive steps
+    assert set(results["costs"]["per_set"]) == set(results["datasets"])
+    for ds, r in results["methods"]["chain"].items():
+        assert results["costs"]["per_set"][ds]["ar_cost"] > 0
+        assert r["predicted_speedup"] == pytest.approx(r["tau_online"] / r["round_cost_predicted"])
+        assert r["round_cost_in_decode"] > 0 and r["ar_step_ms"] > 0
     for tree in ("ddtree_8", "weaver_tree_8"):  # every round verifies the whole tree
         assert all(r["verified_per_round"] == 8 for r in results["methods"][tree].values())
     for method, per in results["methods"].items():

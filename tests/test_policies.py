@@ -188,7 +188,8 @@ def test_best_length_trades_acceptance_against_cost():
 def test_measured_cost_curve_has_one_entry_per_length(target, drafter, prompt_ids):
     costs = measure_costs(target, drafter, prompt_ids[0], drafter.config.block_size, repeats=2)
     assert len(costs["verify_cost"]) == drafter.config.block_size and costs["verify_cost"][0] == 1.0
-    assert costs["draft_cost"] > 0 and costs["step_ms"] > 0
+    assert costs["draft_cost"] > 0 and costs["step_ms"] > 0 and costs["ar_step_cost"] > 0
+    assert costs["context_tokens"] == len(prompt_ids[0])
 
 
 def test_calibration_picks_from_the_grid(target, drafter, tiny_teacher):
