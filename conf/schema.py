@@ -268,6 +268,9 @@ class EvalConfig:
     # node budgets (excluding the root) of the tree methods (ddtree, weaver_tree): each is evaluated per budget
     tree_budgets: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [16, 32, 64])
     timing_repeats: int = ranged(1, ge=1)  # A B B A passes (AR, spec, spec, AR) per prompt, after one warm-up
+    # passes of the verify-cost curve measured before each set's timing (medians of per-pass ratios; 9 passes
+    # varied c(8) by +-8% at 2 threads here, 24 by +-3%)
+    cost_repeats: int = ranged(24, ge=1)
     strict_exact: bool = True  # greedy: raise on any speculative/autoregressive mismatch (False: record it)
     # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1
     # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval

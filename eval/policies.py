@@ -75,7 +75,8 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     """The target's verify-cost curve c(n) = time(verify n tokens) / time(1 token), n = 1..B, after a prefill of
     `context_ids`, the drafter's block forward in the same unit, and for each N of tree_sizes the verification of
     an N-node tree (eval/tree.py verify_tree: ancestor mask, greedy walk, cache compaction). Repeats interleave every
-    size (one warm-up pass first); medians. Verification is timed as the eval loop runs it (hidden states out,
+    size (one warm-up pass first); each ratio is the median over passes of a time over the same pass's 1-token
+    step, so a spell of a slower machine cancels out. Verification is timed as the eval loop runs it (hidden states out,
     cache cropped after); ar_step_cost is a plain decoding step as autoregressive() runs it (no hidden states) in
     the same unit, the baseline a speedup is measured against."""
     from dflash_pipeline.eval.tree import DraftTree, verify_tree
@@ -134,11 +135,14 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
         _sync(device)
         if r:
             draft.append(time.perf_counter() - t0)
-    step = statistics.median(times[1])
-    return {"verify_cost": [statistics.median(times[n]) / step for n in times], "draft_cost":
-            statistics.median(draft) / step, "step_ms": 1e3 * step, "context_tokens": L, "repeats": repeats,
-            "ar_step_cost": statistics.median(ar_step) / step,
-            "tree_cost": {N: statistics.median(t) / step for N, t in tree_times.items()}}
+    step = times[1]
+
+    def ratio(ts: list[float]) -> float:  # per pass, against that pass's 1-token step: a slow spell cancels out
+        return statistics.median(t / s for t, s in zip(ts, step))
+
+    return {"verify_cost": [ratio(times[n]) for n in times], "draft_cost": ratio(draft),
+            "step_ms": 1e3 * statistics.median(step), "context_tokens": L, "repeats": repeats,
+            "ar_step_cost": ratio(ar_step), "tree_cost": {N: ratio(t) for N, t in tree_times.items()}}
 
 
 def predicted_speedup(tau: float, verified_hist: list[int], ctx: EvalContext) -> float:

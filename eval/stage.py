@@ -358,13 +358,13 @@ def eval_context(cfg: DictConfig, target: Target, drafter: DFlashDrafter, block_
     first = next(iter(prompt_sets.values()))[0]["prompt_ids"]
     context = calibration[0]["input_ids"][:COST_CONTEXT].tolist() if calibration else first[-COST_CONTEXT:]
     trees = tuple(cfg.eval.tree_budgets) if any(catalogue.methods()[m][1].tree for m in cfg.eval.methods) else ()
-    return cost_curve(target, drafter, context, block_size, trees, calibration, "calibration")
+    return cost_curve(target, drafter, context, block_size, trees, calibration, "calibration", cfg.eval.cost_repeats)
 
 
 def cost_curve(target: Target, drafter: DFlashDrafter, context: list[int], block_size: int, trees: tuple[int, ...],
-               calibration: list[dict], label: str) -> EvalContext:
+               calibration: list[dict], label: str, repeats: int) -> EvalContext:
     """measure_costs after a prefill of `context`, logged and wrapped as an EvalContext."""
-    costs = measure_costs(target, drafter, context, block_size, tree_sizes=trees)
+    costs = measure_costs(target, drafter, context, block_size, repeats=repeats, tree_sizes=trees)
     log.info("%s: verify cost c(n) / c(1), n = 1..%d, at %d tokens of context: %s; draft %.2f; autoregressive "
              "step %.2f; 1-token step %.1f ms; trees of N nodes: %s", label, block_size, len(context),
              [round(c, 2) for c in costs["verify_cost"]], costs["draft_cost"], costs["ar_step_cost"],
@@ -485,7 +485,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         results["offline"][label] = on_replies
         timed = prompts[: e.online_prompts]
         here = cost_curve(target, drafter, decode_context(timed, e.max_new_tokens, room), B,
-                          tuple(ctx.tree_cost), [], label) if timed else ctx  # just before this set's timing
+                          tuple(ctx.tree_cost), [], label, e.cost_repeats) if timed else ctx  # just before timing
         results["costs"]["per_set"][label] = here.report()
         for m, method in methods.items():
             online = run_online(target, method, timed, label=label, block_size=B,
