@@ -59,14 +59,14 @@ class EvalContext:
                 "tree_cost": {str(n): c for n, c in self.tree_cost.items()}}
 
     def round_cost(self, verified: int, drafted: bool = True) -> float:
-        """A round's cost in target steps: verify anchor + `verified` drafts (beyond the block: a tree of that many
-        nodes, the nearest measured size at or above it), plus the draft when one was made."""
+        """A round's cost in autoregressive steps: verify anchor + `verified` drafts (beyond the block: a tree of that
+        many nodes, the nearest measured size at or above it), plus the draft when one was made, over ar_cost."""
         if verified < len(self.verify_cost):
             verify = self.verify_cost[verified]
         else:
             sizes = sorted(self.tree_cost)
             verify = self.tree_cost[next((n for n in sizes if n >= verified), sizes[-1])]
-        return verify + (self.draft_cost if drafted else 0.0)
+        return (verify + (self.draft_cost if drafted else 0.0)) / self.ar_cost
 
 
 @torch.no_grad()
@@ -147,10 +147,10 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
 
 def predicted_speedup(tau: float, verified_hist: list[int], ctx: EvalContext) -> float:
     """Tokens per round over the mean round cost in autoregressive steps (= the speedup over autoregressive
-    decoding if nothing else cost time): tau * ar / E[c(v + 1) + draft]."""
+    decoding if nothing else cost time): tau / E[round_cost(v)]."""
     rounds = sum(verified_hist)
     cost = sum(n * ctx.round_cost(v) for v, n in enumerate(verified_hist)) / max(1, rounds)
-    return tau * ctx.ar_cost / cost if cost else 0.0
+    return tau / cost if cost else 0.0
 
 
 # -- Boltzmann -----------------------------------------------------------------------------------------------------
@@ -377,7 +377,8 @@ class ActMethod(ChainMethod):
 # -- adaptive block ---------------------------------------------------------------------------------------------
 def best_length(acceptance: list[float], ctx: EvalContext, least: int = 0) -> tuple[int, float]:
     """The number of drafts v >= least (v = 0: no draft at all) maximising expected tokens per round over the
-    round's cost, (1 + sum_{k<=v} prod_{j<=k} a_j) / (c(v + 1) + draft cost if v > 0). Returns (v, that ratio)."""
+    round's cost in autoregressive steps, (1 + sum_{k<=v} prod_{j<=k} a_j) / round_cost(v). Returns (v, that
+    ratio)."""
     best, best_ratio, reach, tokens = 0, 1.0 / ctx.round_cost(0, drafted=False), 1.0, 1.0
     if least > 0:
         best, best_ratio = least, -math.inf

@@ -266,7 +266,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     if draft_s and ar_step_ms:  # what a round cost inside these decodes, in those steps
         res["round_cost_in_decode"] = 1e3 * (total_draft + total_verify) / len(draft_s) / ar_step_ms
     if costs is not None and accepted:  # tokens over the rounds' cost in autoregressive steps, from the curve
-        spent = sum(costs.round_cost(v, d) for v, d in zip(verified, drafted)) / costs.ar_cost
+        spent = sum(costs.round_cost(v, d) for v, d in zip(verified, drafted))
         res["round_cost_predicted"] = spent / len(accepted)
         res["predicted_speedup"] = (sum(accepted) + len(accepted)) / spent
         res["measured_over_predicted"] = res["speedup_decode"] / res["predicted_speedup"]
@@ -483,9 +483,9 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, replies[label])]
         on_replies = offline(reply_items(target, layer_ids, seqs, final=bool(trees)), label, e.online_prompts)
         results["offline"][label] = on_replies
-        timed = prompts[: e.online_prompts]
+        timed = prompts[: e.online_prompts]  # never empty: an empty set is refused above; online_prompts >= 1
         here = cost_curve(target, drafter, decode_context(timed, e.max_new_tokens, room), B,
-                          tuple(ctx.tree_cost), [], label, e.cost_repeats) if timed else ctx  # just before timing
+                          tuple(ctx.tree_cost), [], label, e.cost_repeats)  # just before this set's timing
         results["costs"]["per_set"][label] = here.report()
         for m, method in methods.items():
             online = run_online(target, method, timed, label=label, block_size=B,

@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--skip-baseline", action="store_true", help="only the batched paths (ratios between them)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. target=tiny")
     args = ap.parse_args()
+    if args.prompts < 1 or args.baseline_prompts < 1:
+        ap.error("--prompts and --baseline-prompts must be at least 1 (--skip-baseline drops the one-prompt loop)")
 
     register()
     with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
