@@ -42,6 +42,13 @@ class DType(Choice):
     float16 = "float16"
 
 
+class TargetDType(Choice):
+    auto = "auto"  # bfloat16 where the machine multiplies bf16 natively (measured: models/precision.py), else float32
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class Source(Choice):
     sharegpt = "sharegpt"
     mtbench = "mtbench"
@@ -137,7 +144,9 @@ class TargetConfig:
     path: str = MISSING  # HF id / local folder, or for gguf: "pkg:<package>" or a local folder holding gguf_file
     gguf_file: Optional[str] = None
     tokenizer: Optional[str] = None  # tiny: where its tokenizer comes from (an HF id/folder, or "target:<name>")
-    dtype: DType = DType.float32
+    # the target's numerics in teacher and eval: float32 (exact, strict check), bfloat16/float16 (exact up to
+    # reported near-ties, eval.near_tie_tolerance), or auto (per machine, recorded with the results)
+    dtype: TargetDType = TargetDType.float32
     trust_remote_code: bool = False
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
@@ -271,7 +280,10 @@ class EvalConfig:
     # passes of the verify-cost curve measured before each set's timing (medians of per-pass ratios; 9 passes
     # varied c(8) by +-8% at 2 threads here, 24 by +-3%)
     cost_repeats: int = ranged(24, ge=1)
-    strict_exact: bool = True  # greedy: raise on any speculative/autoregressive mismatch (False: record it)
+    strict_exact: bool = True  # greedy: raise on a wrong speculative output (False: record it in `mismatches`)
+    # bf16/fp16 targets: a divergence from autoregressive decoding is a near-tie (reported, not raised) when the two
+    # tokens' float32 log-probabilities on the shared prefix differ by less than this (nats); float32: never
+    near_tie_tolerance: float = ranged(0.1, ge=0.0)
     # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1
     # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval
     # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).

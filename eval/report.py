@@ -28,7 +28,7 @@ def markdown(results: dict) -> str:
         "| method | dataset | prompts off / on | tokens | tau offline [95% CI] | tau online [95% CI over prompts] | oracle tau | a_1 off / on | fwd/token | "
         "drafts verified/round | draft ms/round | select ms/round (share) | scorings/round | verify ms/round | "
         "AR tok/s | spec tok/s | speedup total / decode (predicted) | round cost in AR steps: decode / predicted | "
-        "exact |",
+        "exact (near-ties / outputs) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, per in results["methods"].items():
@@ -43,7 +43,20 @@ def markdown(results: dict) -> str:
                 f"{_f(r['scorings_per_round'], 0)} | {_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
                 f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x / {_f(r.get('speedup_decode'), 2)}x "
                 f"({_f(r.get('predicted_speedup'), 2)}x) | {_f(r.get('round_cost_in_decode'), 2)} / "
-                f"{_f(r.get('round_cost_predicted'), 2)} | {r['exact']} |")
+                f"{_f(r.get('round_cost_predicted'), 2)} | {r['exact']} ({r.get('near_tie_outputs', 0)} / "
+                f"{r.get('outputs_compared', '-')}) |")
+    num = results.get("numerics")
+    if num:
+        machine = num.get("machine") or {}
+        lines += ["", f"Target numerics: {num['dtype']} (asked: {num.get('requested')}) on {machine.get('cpu')}, "
+                  f"flags {', '.join(machine.get('cpu_flags', [])) or 'none listed'}"
+                  + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
+                  + (f"; near-tie tolerance {num['near_tie_tolerance']} nats (float32 log-prob gap at the first "
+                     "divergence): a near-tie output counts its rounds before the divergence only"
+                     if num.get("near_tie_tolerance") is not None else "; every output must be identical")
+                  + (f". Teacher data made with a {num['teacher_dtype']} target: "
+                     + ("the same numerics." if num["same_as_teacher"] else "OTHER numerics than this evaluation.")
+                     if "teacher_dtype" in num else ".")]
     costs = results.get("costs")
     if costs:
         curve = ", ".join(f"{n}: {c:.2f}" for n, c in enumerate(costs["verify_cost"], 1))

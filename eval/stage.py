@@ -33,6 +33,8 @@ from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import chat_segments
 from dflash_pipeline.eval import report
 from dflash_pipeline.eval.decode import autoregressive, speculative
+from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, NEAR_TIE, WRONG, ExactnessError, ExactnessJudge, \
+    rounds_before
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, offline_metrics
 from dflash_pipeline.eval.policies import EvalContext, measure_costs
 from dflash_pipeline.eval.references import ReferenceCache, turn_prompts
@@ -58,31 +60,6 @@ FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 class EvalError(Exception):
     """An evaluation that cannot start (missing drafter, bad dataset name, ...), with the fix in the message."""
-
-
-class ExactnessError(RuntimeError):
-    """Greedy speculative output differs from autoregressive output: a bug in verification, never a user error."""
-
-
-# -- exactness ---------------------------------------------------------------------------------------------------
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """First output position where a and b differ (a length difference counts), or None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def check_exact(prompt_id: str, reference: list[int], other: list[int], what: str, strict: bool) -> int | None:
-    """Compare `other` with the autoregressive reference; raise ExactnessError (strict) or return the position."""
-    pos = first_mismatch(reference, other)
-    if pos is not None and strict:
-        ref_tok = reference[pos] if pos < len(reference) else "<end>"
-        got_tok = other[pos] if pos < len(other) else "<end>"
-        raise ExactnessError(
-            f"prompt {prompt_id}: {what} differs from autoregressive greedy decoding at output position {pos} "
-            f"(autoregressive token {ref_tok}, got {got_tok}; lengths {len(reference)} vs {len(other)})")
-    return pos
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
@@ -168,13 +145,16 @@ def _median(xs: list[float]) -> float:
 
 def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True,
-               costs: EvalContext | None = None) -> dict:
+               costs: EvalContext | None = None, judge: ExactnessJudge | None = None) -> dict:
     """Speculative vs autoregressive decoding of `prompts` (A B B A per prompt per repeat, after one warm-up).
 
     Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
     With `costs` (the measured verify-cost curve), also the speedup that curve predicts for the rounds run.
+    Greedy outputs are classified by `judge` (eval/exactness.py; default: one for the target's dtype with the
+    default tolerance); acceptance counts the rounds before a near-tie divergence only.
     """
     device = next(target.model.parameters()).device
+    judge = judge or ExactnessJudge(target.model, DEFAULT_TOLERANCE)
 
     def gen(*parts):
         if temperature <= 0:
@@ -198,6 +178,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     ar(0, "warmup"), spec(0, "warmup")
     ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
     draft_s, verify_s, select_s, scorings, prefill_s, accepted, mismatches = [], [], [], [], [], [], []
+    near_ties, timed_accepted = [], []  # timed_accepted: every round of the first runs (what the timing covers)
     ar_outputs, out_tokens, forwards, verified, drafted, per_prompt = [], 0, 0, [], [], []
     for i, p in enumerate(prompts):
         for r in range(repeats):
@@ -215,20 +196,26 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
                 select_s += s.select_s
                 scorings += s.scorings
                 prefill_s.append(s.prefill_s)
+            verified_upto = None  # greedy: the first run's divergence at a near-tie (acceptance stops there)
+            if temperature <= 0:
+                for what, other in (("the second autoregressive run", a2), ("speculative decoding", s1.tokens),
+                                    ("a repeated speculative run", s2.tokens)):
+                    v = judge.check(p["id"], p["prompt_ids"], a1, other, what, strict)
+                    if v.kind in (NEAR_TIE, WRONG):
+                        (near_ties if v.kind == NEAR_TIE else mismatches).append(
+                            {"prompt": p["id"], "position": v.position, "run": what, "repeat": r, **v.detail})
+                    if r == 0 and other is s1.tokens and v.kind == NEAR_TIE:
+                        verified_upto = v.position
             if r == 0:
                 ar_outputs.append(a1)
-                per_prompt.append(s1.accepted)
-                accepted += s1.accepted
+                kept = rounds_before(s1.accepted, verified_upto)
+                per_prompt.append(kept)
+                accepted += kept
+                timed_accepted += s1.accepted
                 verified += s1.verified
                 drafted += s1.drafted
                 out_tokens += len(s1.tokens)
                 forwards += s1.target_forwards
-            if temperature <= 0:
-                for what, other in (("the second autoregressive run", a2), ("speculative decoding", s1.tokens),
-                                    ("a repeated speculative run", s2.tokens)):
-                    pos = check_exact(p["id"], a1, other, what, strict)
-                    if pos is not None:
-                        mismatches.append({"prompt": p["id"], "position": pos, "run": what})
     bar.close()
     stats = accepted_length_stats(accepted, block_size)
     ms_ar, ms_spec = 1e3 * _median(ar_s_per_tok), 1e3 * _median(spec_s_per_tok)
@@ -258,17 +245,23 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "speedup": ms_ar / ms_spec if ms_spec else 0.0,
         "speedup_decode": _median(ar_decode) / _median(spec_decode) if spec_decode and _median(spec_decode) else 0.0,
         "exact": (not mismatches) if temperature <= 0 else None,  # None: not defined when sampling
-        "mismatches": mismatches,
+        "mismatches": mismatches,  # wrong outputs (recorded with eval.strict_exact=false; raised otherwise)
+        # reduced precision: outputs that diverged at a near-tie (eval/exactness.py), and counts per kind
+        "near_ties": near_ties,
+        "outputs_compared": 3 * len(prompts) * repeats if temperature <= 0 else 0,
+        "near_tie_outputs": len(near_ties),
+        "identical": (not mismatches and not near_ties) if temperature <= 0 else None,
+        "target_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
         "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
     }
     ar_step_ms = 1e3 * _median(ar_decode)
     res["ar_step_ms"] = ar_step_ms  # a decoding step of the autoregressive runs
     if draft_s and ar_step_ms:  # what a round cost inside these decodes, in those steps
         res["round_cost_in_decode"] = 1e3 * (total_draft + total_verify) / len(draft_s) / ar_step_ms
-    if costs is not None and accepted:  # tokens over the rounds' cost in autoregressive steps, from the curve
+    if costs is not None and timed_accepted:  # tokens over the rounds' cost in AR steps, from the curve
         spent = sum(costs.round_cost(v, d) for v, d in zip(verified, drafted))
-        res["round_cost_predicted"] = spent / len(accepted)
-        res["predicted_speedup"] = (sum(accepted) + len(accepted)) / spent
+        res["round_cost_predicted"] = spent / len(timed_accepted)
+        res["predicted_speedup"] = (sum(timed_accepted) + len(timed_accepted)) / spent
         res["measured_over_predicted"] = res["speedup_decode"] / res["predicted_speedup"]
     log.info("%s %s: tau_online %.3f a_k %s speedup %.2fx (AR %.1f tok/s, spec %.1f tok/s), exact %s", method.name,
              label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
@@ -380,6 +373,24 @@ def decode_context(prompts: list[dict], max_new_tokens: int, room: int) -> list[
     return (ids * (length // len(ids) + 1))[:length]
 
 
+def numerics(target: Target, teacher_dir: Path, tolerance: float) -> dict:
+    """The target's dtype here (and why, on which machine) beside the teacher data's: a drafter trained on features
+    of other numerics than it is evaluated with is reported as such (and logged), not refused: a GPU-made bf16
+    teacher evaluated on a CPU without native bf16 is a normal case."""
+    out = {**target.numerics, "near_tie_tolerance": tolerance if target.dtype != "float32" else None}
+    manifest = teacher_dir / "manifest.json"
+    if manifest.is_file():
+        theirs = json.loads(manifest.read_text())["target"]
+        out["teacher_dtype"] = theirs.get("dtype", "float32")  # datasets from before the field: float32 only
+        out["teacher_machine"] = theirs.get("numerics", {}).get("machine")
+        out["same_as_teacher"] = out["teacher_dtype"] == target.dtype
+        if not out["same_as_teacher"]:
+            log.warning("the teacher data was made with a %s target, this evaluation runs it in %s: offline metrics "
+                        "on stored features and online decoding use different numerics", out["teacher_dtype"],
+                        target.dtype)
+    return out
+
+
 def drafter_difference(export: Path, drafter_dir: Path) -> str | None:
     """How a component's export differs from the drafter it should carry unchanged (None: it carries it)."""
     from safetensors import safe_open
@@ -407,6 +418,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     if not 2 <= B <= trained_B:
         raise EvalError(f"eval.block_size={B} must be in 2 .. {trained_B} (the trained block size)")
     layer_ids = list(drafter.config.target_layer_ids)
+    judge = ExactnessJudge(target.model, e.near_tie_tolerance)
     methods = load_methods(cfg, drafter, train_dir, component_dirs, drafter_dir)
     for name, method in methods.items():
         try:
@@ -443,6 +455,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats; "
                                "medians of per-run time per output token",
                    "device": str(device), "num_threads": torch.get_num_threads(), "repeats": e.timing_repeats},
+        "numerics": numerics(target, teacher_dir, e.near_tie_tolerance),
         "offline": {},
         "methods": {m: {} for m in methods},
     }
@@ -490,7 +503,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         for m, method in methods.items():
             online = run_online(target, method, timed, label=label, block_size=B,
                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
-                                repeats=e.timing_repeats, strict=e.strict_exact, costs=here)
+                                repeats=e.timing_repeats, strict=e.strict_exact, costs=here, judge=judge)
             online.pop("ar_outputs")
             own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {

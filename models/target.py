@@ -10,13 +10,14 @@ import importlib.util
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from dflash_pipeline.data.files import follow_umask
+from dflash_pipeline.models.precision import machine, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,11 @@ class Target:
     model: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
     ref: str  # how to find this target again (recorded in datasets and checkpoints)
+    numerics: dict = field(default_factory=dict)  # the dtype it runs in, why, and the machine (models/precision.py)
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     @property
     def num_layers(self) -> int:
@@ -167,7 +173,8 @@ def build_tiny(cfg, vocab_size: int, special: dict[str, int]) -> LlamaForCausalL
 def load_target(cfg, cache_dir: str | Path) -> Target:
     """Load the frozen target in eval mode with no gradients. `cfg` is a conf.schema.TargetConfig."""
     tokenizer = load_tokenizer(cfg, cache_dir)
-    dtype = torch_dtype(cfg.dtype)
+    name, why = resolve_dtype(str(cfg.dtype), "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch_dtype(name)
     if cfg.kind == "tiny":
         special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         model = build_tiny(cfg, len(tokenizer), special).to(dtype)
@@ -182,4 +189,4 @@ def load_target(cfg, cache_dir: str | Path) -> Target:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)
-    return Target(model=model, tokenizer=tokenizer, ref=ref)
+    return Target(model=model, tokenizer=tokenizer, ref=ref, numerics={"dtype": name, **why, "machine": machine()})

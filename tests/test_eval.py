@@ -15,7 +15,8 @@ from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, conditional_acceptance, offline_metrics, \
     recall_at_k, simulated_tau
-from dflash_pipeline.eval.stage import EvalError, ExactnessError, check_exact, decode_context, first_mismatch, run_eval, \
+from dflash_pipeline.eval.exactness import ExactnessError
+from dflash_pipeline.eval.stage import EvalError, decode_context, run_eval, \
     run_online
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import generate
@@ -176,15 +177,6 @@ def test_mismatch_is_detected_loudly(target, prompt_ids, random_drafter, monkeyp
     res = run_online(target, method, batch, label="t", block_size=4, max_new_tokens=12, strict=False)
     assert res["exact"] is False
     assert {m["run"] for m in res["mismatches"]} == {"speculative decoding", "a repeated speculative run"}
-
-
-def test_first_mismatch_and_check_exact():
-    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
-    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
-    assert first_mismatch([1, 2, 3], [1, 2]) == 2
-    with pytest.raises(ExactnessError, match="prompt q7: .* position 2"):
-        check_exact("q7", [4, 5, 6], [4, 5, 9], "speculative decoding", strict=True)
-    assert check_exact("q7", [4, 5, 6], [4, 5, 9], "speculative decoding", strict=False) == 2
 
 
 def test_run_online_sampling(target, prompt_ids, random_drafter):

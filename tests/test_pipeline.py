@@ -62,9 +62,12 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
         assert r["round_cost_in_decode"] > 0 and r["ar_step_ms"] > 0
     for tree in ("ddtree_8", "weaver_tree_8"):  # every round verifies the whole tree
         assert all(r["verified_per_round"] == 8 for r in results["methods"][tree].values())
+    num = results["numerics"]  # float32 here: the strict check, no near-ties; the teacher's numerics recorded
+    assert num["dtype"] == num["teacher_dtype"] == "float32" and num["same_as_teacher"] and num["machine"]["cpu"]
     for method, per in results["methods"].items():
         for ds, r in per.items():
             assert r["exact"] is True and r["mismatches"] == [], (method, ds)
+            assert r["identical"] is True and r["near_tie_outputs"] == 0 and r["outputs_compared"] == 3
             assert r["oracle_tau"] >= 1.0 and 0.0 <= r["select_fraction"] < 1.0
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
     run_stages(cfg, tmp_path, ["teacher", "components", "eval"])

@@ -1,0 +1,124 @@
+"""Exactness at every precision: identical, near-tie or wrong against the autoregressive reference
+(eval/exactness.py), and the target's dtype as a per-machine choice (models/precision.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_pipeline.eval import decode
+from dflash_pipeline.eval.decode import autoregressive
+from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, WRONG, ExactnessError, ExactnessJudge, \
+    first_mismatch, rounds_before
+from dflash_pipeline.eval.stage import run_online
+from dflash_pipeline.models.precision import machine, resolve_dtype
+from dflash_pipeline.models.target import load_target
+
+from conftest import chat_prompt_ids, make_config
+
+
+@pytest.fixture(scope="module")
+def bf16_target():
+    cfg = make_config("target.dtype=bfloat16")
+    return load_target(cfg.target, cfg.cache_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt(bf16_target):
+    return chat_prompt_ids(bf16_target.tokenizer, ["Name three colours of the rainbow."])[0]
+
+
+def float32_logprobs(model, prefix: list[int]) -> torch.Tensor:
+    """The target's log-probs after `prefix`, computed on a float32 copy."""
+    import copy
+
+    with torch.no_grad():
+        logits = copy.deepcopy(model).float()(input_ids=torch.tensor([prefix])).logits[0, -1]
+    return torch.log_softmax(logits, -1)
+
+
+def test_first_mismatch_and_rounds_before():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2
+    # output 0 is the prefill's token; rounds commit 3, 1, 2 tokens: positions 1-3, 4, 5-6
+    assert rounds_before([2, 0, 1], None) == [2, 0, 1]
+    assert rounds_before([2, 0, 1], 5) == [2, 0]  # the round that committed position 5 is not verified
+    assert rounds_before([2, 0, 1], 4) == [2]
+    assert rounds_before([2, 0, 1], 1) == []
+
+
+def test_a_forced_near_tie_is_classified_with_its_gap(bf16_target, prompt):
+    """A divergence to the float32 runner-up is a near-tie exactly when its gap is inside the tolerance."""
+    reference, _ = autoregressive(bf16_target, prompt, 12)
+    pos = 5
+    logp = float32_logprobs(bf16_target.model, prompt + reference[:pos])
+    first, second = logp.topk(2).indices.tolist()
+    other_tok = second if reference[pos] == first else first
+    gap = abs(float(logp[reference[pos]] - logp[other_tok]))
+    other = reference[:pos] + [other_tok] + reference[pos + 1:]
+    near = ExactnessJudge(bf16_target.model, tolerance=gap + 0.01).classify(prompt, reference, other)
+    assert near.kind == NEAR_TIE and near.position == pos
+    assert near.detail["logprob_gap"] == pytest.approx(gap, abs=1e-5)
+    assert near.detail["reference_token"] == reference[pos] and near.detail["other_token"] == other_tok
+    strict = ExactnessJudge(bf16_target.model, tolerance=gap / 2)
+    assert strict.classify(prompt, reference, other).kind == WRONG
+    with pytest.raises(ExactnessError, match=r"at output position 5 .* near-tie tolerance"):
+        strict.check("p0", prompt, reference, other, "speculative decoding")
+    assert strict.classify(prompt, reference, list(reference)).kind == IDENTICAL
+    assert strict.classify(prompt, reference, reference[:-1]).kind == WRONG  # a length difference is never a tie
+
+
+def test_float32_keeps_the_strict_check(target, prompt):
+    """In float32 any divergence is wrong, however close the two tokens are."""
+    reference, _ = autoregressive(target, prompt, 8)
+    other = reference[:3] + [(reference[3] + 1) % 100] + reference[4:]
+    verdict = ExactnessJudge(target.model, tolerance=1e9).classify(prompt, reference, other)
+    assert verdict.kind == WRONG and "logprob_gap" not in verdict.detail
+
+
+def test_a_planted_wrong_acceptance_fails_in_bf16(bf16_target, prompt, monkeypatch):
+    """A verifier that accepts a token the target does not pick (argmax + 1 forced) is an error in bf16 too: the
+    float32 gap between the two is far beyond any near-tie."""
+    from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
+
+    c = bf16_target.model.config
+    conf = DFlashDrafterConfig(
+        hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size, num_hidden_layers=1,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // c.num_attention_heads, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size, block_size=4,
+        target_hidden_size=c.hidden_size, target_layer_ids=[1, 3], num_target_layers=c.num_hidden_layers,
+        mask_token_id=16)
+    torch.manual_seed(0)
+    model = bf16_target.model
+    drafter = DFlashDrafter(conf, model.get_input_embeddings(), model.get_output_embeddings()).to(torch.bfloat16)
+    method = decode.ChainMethod(drafter.eval())
+    batch = [{"id": "p0", "prompt_ids": prompt}]
+    honest = run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12)
+    assert honest["exact"] is True and honest["target_dtype"] == "bfloat16"
+    assert honest["outputs_compared"] == 3 and honest["near_tie_outputs"] == len(honest["near_ties"])
+    real = decode.target_forward
+
+    def corrupt(model, ids, positions, cache, layer_ids, last_only=False):
+        step = real(model, ids, positions, cache, layer_ids, last_only)
+        if last_only:
+            return step
+        logits = step.logits.clone()
+        logits[torch.arange(len(logits)), (logits.argmax(-1) + 1) % logits.shape[-1]] = 1e4
+        return step._replace(logits=logits)
+
+    monkeypatch.setattr(decode, "target_forward", corrupt)
+    with pytest.raises(ExactnessError, match=r"prompt p0: speculative decoding differs .* log-prob gap"):
+        run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12)
+
+
+def test_dtype_choice_is_recorded_and_auto_is_measured():
+    assert resolve_dtype("bfloat16") == ("bfloat16", {"requested": "bfloat16"})
+    name, why = resolve_dtype("auto", "cpu")
+    assert why["requested"] == "auto" and why["bf16_over_float32_matmul"] > 0
+    assert name == ("bfloat16" if why["bf16_over_float32_matmul"] <= why["threshold"] else "float32")
+    info = machine()
+    assert info["cpu"] and isinstance(info["cpu_flags"], list) and info["torch_cpu_capability"]
+    cfg = make_config("target.dtype=auto")
+    t = load_target(cfg.target, cfg.cache_dir)
+    assert t.dtype == name and t.numerics["dtype"] == name and t.numerics["machine"] == info
