@@ -232,14 +232,21 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
                                tokenizer=target.tokenizer, max_prompt_tokens=d.max_prompt_tokens, log=note)
     target.model.to(state.device)
     shards = plan_shards(target, convs, cfg.teacher.shard_size)
-    plan = {"config_hash": digest, "config": config, "shards": [[convs[i]["id"] for i in s] for s in shards]}
+    plan = {"config_hash": digest, "config": config, "target_dtype": target.dtype,
+            "shards": [[convs[i]["id"] for i in s] for s in shards]}
 
     if state.is_main_process:
         if status == "new":
             out.mkdir(parents=True, exist_ok=True)
             write_json(out / "plan.json", plan)
-        elif json.loads((out / "plan.json").read_text())["shards"] != plan["shards"]:
-            raise DatasetError(f"{out}/plan.json lists other samples than this config selects; delete the folder")
+        else:
+            started = json.loads((out / "plan.json").read_text())
+            if started["shards"] != plan["shards"]:
+                raise DatasetError(f"{out}/plan.json lists other samples than this config selects; delete the folder")
+            if started.get("target_dtype", target.dtype) != target.dtype:  # target.dtype=auto on another machine
+                raise DatasetError(f"{out} was started with a {started['target_dtype']} target, this machine runs it "
+                                   f"in {target.dtype} (target.dtype=auto decides per machine): finish it where the target runs in "
+                                   f"{started['target_dtype']}, or start another folder with an explicit target.dtype")
     state.wait_for_everyone()
 
     mine = [k for k in range(len(shards)) if k % state.num_processes == state.process_index]

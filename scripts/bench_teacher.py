@@ -5,16 +5,19 @@
 - continuous batching (the teacher: finished rows are refilled from the queue);
 - and the two ways of capturing features: a separate prefill pass over the finished sequences
   (teacher.capture=separate) against keeping the tapped layers' hidden states as generation computes them
-  (teacher.capture=during, the default).
+  (teacher.capture=during, the default);
+- for every --dtypes (float32 and bfloat16 by default), all of the above, then the teacher's throughput side by side.
 
     python scripts/bench_teacher.py [--prompts 128] [--baseline-prompts 16] [--max-new-tokens 96]
-        [--dtype float32] [--batch-size 32]
+        [--dtypes float32 bfloat16] [--batch-size 32]
 
 The teacher runs a queue of many prompts through a fixed number of rows, so the batched paths get more prompts
 than rows (128 through 32 by default: refilling only pays once there is a queue). The one-prompt loop is slow, so
 it runs on an evenly spaced sample of the length-sorted prompts (--baseline-prompts) and is compared in generated
 tokens/s. Prints tokens/s of each, the ratios to the baseline, the share of the capture pass, and how many of the
-sampled prompts' replies equal the baseline's greedy replies (batching may flip near-ties in low precision).
+sampled prompts' replies equal the baseline's greedy replies (batching may flip near-ties in low precision), and
+how many replies of the whole queue stay the same when it runs through half as many rows (a row's reply must not
+depend on which rows share its batch; docs/data.md, 'Determinism in reduced precision').
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--baseline-prompts", type=int, default=16, help="of them, decoded one at a time")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="the target's dtypes, side by side")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--skip-baseline", action="store_true", help="only the batched paths (ratios between them)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. target=tiny")
@@ -46,9 +49,18 @@ def main() -> None:
         ap.error("--prompts and --baseline-prompts must be at least 1 (--skip-baseline drops the one-prompt loop)")
 
     register()
+    summary = {dtype: bench(args, dtype) for dtype in args.dtypes}
+    if len(summary) > 1:
+        first = next(iter(summary.values()))
+        print("\nthe teacher (continuous batching + features kept), generated tok/s: " + ", ".join(
+            f"{d} {r:.1f} ({r / first:.2f}x)" for d, r in summary.items()))
+
+
+def bench(args, dtype: str) -> float:
+    """Every path at one target dtype; returns the teacher's generated tok/s (continuous batching + features)."""
     with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
         cfg = compose("config", overrides=[f"teacher.max_new_tokens={args.max_new_tokens}",
-                                           f"target.dtype={args.dtype}", f"teacher.batch_size={args.batch_size}",
+                                           f"target.dtype={dtype}", f"teacher.batch_size={args.batch_size}",
                                            "teacher.max_turns=1", *args.overrides])
     target = load_target(cfg.target, cfg.cache_dir)
     tok, model, t = target.tokenizer, target.model, cfg.teacher
@@ -58,7 +70,9 @@ def main() -> None:
     layer_ids = resolve_layer_ids(None, t.num_taps, target.num_layers)
     stride = max(1, len(prompts) // max(1, args.baseline_prompts))
     sample = list(range(0, len(prompts), stride))[: args.baseline_prompts]
-    print(f"target {target.ref} ({args.dtype}), {len(prompts)} prompts ({len(sample)} one at a time), mean prompt "
+    cpu = target.numerics["machine"]
+    print(f"\ntarget {target.ref} ({target.dtype}; {cpu['cpu']}, flags {' '.join(cpu['cpu_flags'])}), "
+          f"{len(prompts)} prompts ({len(sample)} one at a time), mean prompt "
           f"{statistics.mean(map(len, prompts)):.0f} tokens, max_new_tokens {args.max_new_tokens}, batch "
           f"{args.batch_size}, {torch.get_num_threads()} threads")
     common = dict(max_new_tokens=args.max_new_tokens, eos_ids=target.eos_ids, pad_id=tok.pad_token_id)
@@ -82,6 +96,10 @@ def main() -> None:
     def continuous():
         return generate(model, prompts, batch_size=t.batch_size, prefill_tokens=t.prefill_batch_tokens, **common)
 
+    def half_rows():
+        return generate(model, prompts, batch_size=max(1, t.batch_size // 2), prefill_tokens=t.prefill_batch_tokens,
+                        **common)
+
     def continuous_with_taps():
         """The teacher's default (teacher.capture=during): continuous batching that keeps every tapped layer's
         hidden states of every token as generation computes them."""
@@ -93,7 +111,8 @@ def main() -> None:
     for name, fn in (("one prompt at a time (model.generate)", None if args.skip_baseline else one_at_a_time),
                      ("static batches (rows leave, no refill)", static),
                      ("continuous batching", continuous),
-                     ("continuous batching + features kept (the teacher)", continuous_with_taps)):
+                     ("continuous batching + features kept (the teacher)", continuous_with_taps),
+                     ("continuous batching, half the rows", half_rows)):
         if fn is not None:
             runs[name] = timed(fn)
     samples = [{"input_ids": p + r} for p, r in zip(prompts, runs["continuous batching"][0])]
@@ -111,6 +130,10 @@ def main() -> None:
         else:  # against the one-prompt replies, on the sampled prompts
             same = f"{sum(base[0][j] == replies[i] for j, i in enumerate(sample))}/{len(sample)}"
         print(f"{name:52s} {rate:8.1f} {rate / base_rate:7.2f}x {same:>13s}")
+    half = runs.pop("continuous batching, half the rows")[0]
+    full = runs["continuous batching"][0]
+    print(f"replies unchanged when the queue runs through {max(1, t.batch_size // 2)} rows instead of {t.batch_size}: "
+          f"{sum(x == y for x, y in zip(full, half))}/{len(prompts)}")
     cont = runs["continuous batching"][1]
     taps = runs["continuous batching + features kept (the teacher)"][1]
     tokens = sum(map(len, runs["continuous batching"][0]))
@@ -121,6 +144,7 @@ def main() -> None:
           f"{tokens / taps:.1f} ({(cont + capture_s) / taps:.2f}x)"
           + (f"; against one prompt at a time (no features): {tokens / taps / base_rate:.2f}x"
              if not args.skip_baseline else ""))
+    return tokens / taps
 
 
 if __name__ == "__main__":

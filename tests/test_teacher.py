@@ -170,6 +170,34 @@ def test_resume_after_crash_gives_identical_dataset(tiny_teacher, tmp_path, monk
             assert torch.equal(g[k], w[k]), k
 
 
+def test_auto_dtype_resume_on_other_numerics_is_refused(tmp_path, monkeypatch):
+    """target.dtype=auto decides per machine: a teacher started in float32 is not finished in bfloat16 (its shards
+    would mix numerics); the resolved dtype is recorded in the plan and the manifest."""
+    import dflash_pipeline.models.target as target_mod
+
+    cfg, out = make_config("target.dtype=auto"), tmp_path / "teacher"
+    monkeypatch.setattr(target_mod, "resolve_dtype", lambda name, device: ("float32", {"requested": name}))
+    real_write = teacher_mod.write_shard
+
+    def crash_on_second(out_dir, k, *args, **kwargs):
+        if k == 1:
+            raise KeyboardInterrupt("simulated kill")
+        return real_write(out_dir, k, *args, **kwargs)
+
+    monkeypatch.setattr(teacher_mod, "write_shard", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        run_teacher(cfg, out)
+    assert json.loads((out / "plan.json").read_text())["target_dtype"] == "float32"
+    monkeypatch.setattr(teacher_mod, "write_shard", real_write)
+    monkeypatch.setattr(target_mod, "resolve_dtype", lambda name, device: ("bfloat16", {"requested": name}))
+    with pytest.raises(DatasetError, match=r"started with a float32 target, this machine runs it in bfloat16"):
+        run_teacher(cfg, out)
+    monkeypatch.setattr(target_mod, "resolve_dtype", lambda name, device: ("float32", {"requested": name}))
+    run_teacher(cfg, out)
+    target = json.loads((out / "manifest.json").read_text())["target"]
+    assert target["dtype"] == "float32" and target["numerics"]["requested"] == "auto"
+
+
 def test_complete_dataset_is_skipped_and_other_config_refused(tiny_teacher, tmp_path):
     out = tmp_path / "teacher"
     shutil.copytree(tiny_teacher, out)
