@@ -284,6 +284,9 @@ class EvalConfig:
     # bf16/fp16 targets: a divergence from autoregressive decoding is a near-tie (reported, not raised) when the two
     # tokens' float32 log-probabilities on the shared prefix differ by less than this (nats); float32: never
     near_tie_tolerance: float = ranged(0.1, ge=0.0)
+    # bf16/fp16 targets: also time float32 autoregressive decoding in the same passes and report the speedup
+    # against the faster plain decoding of the two (speedup_vs_fastest_ar; on CPUs bf16 is not always faster)
+    float32_baseline: bool = True
     # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1
     # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval
     # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).

@@ -68,13 +68,18 @@ class ExactnessJudge:
         self.reduced = next(model.parameters()).dtype != torch.float32
         self._float32 = None
 
+    def float32_model(self):
+        """The float32 copy of the target (made once; also the float32 baseline the eval may time)."""
+        if self._float32 is None:
+            self._float32 = self.model if not self.reduced else copy.deepcopy(self.model).float().eval()
+        return self._float32
+
     @torch.no_grad()
     def logprob_gap(self, prefix: list[int], a: int, b: int) -> float:
         """|log p(a) - log p(b)| of the target in float32 after `prefix`."""
-        if self._float32 is None:
-            self._float32 = copy.deepcopy(self.model).float().eval()
-        device = next(self._float32.parameters()).device
-        logits = self._float32(input_ids=torch.tensor([prefix], device=device), logits_to_keep=1).logits[0, -1]
+        model = self.float32_model()
+        device = next(model.parameters()).device
+        logits = model(input_ids=torch.tensor([prefix], device=device), logits_to_keep=1).logits[0, -1]
         logp = torch.log_softmax(logits.float(), -1)
         return abs(float(logp[a] - logp[b]))
 

@@ -20,6 +20,7 @@ import json
 import logging
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from omegaconf import DictConfig
@@ -145,13 +146,16 @@ def _median(xs: list[float]) -> float:
 
 def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True,
-               costs: EvalContext | None = None, judge: ExactnessJudge | None = None) -> dict:
+               costs: EvalContext | None = None, judge: ExactnessJudge | None = None,
+               float32_baseline: bool = False) -> dict:
     """Speculative vs autoregressive decoding of `prompts` (A B B A per prompt per repeat, after one warm-up).
 
     Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
     With `costs` (the measured verify-cost curve), also the speedup that curve predicts for the rounds run.
     Greedy outputs are classified by `judge` (eval/exactness.py; default: one for the target's dtype with the
-    default tolerance); acceptance counts the rounds before a near-tie divergence only.
+    default tolerance); acceptance counts the rounds before a near-tie divergence only. float32_baseline (a
+    reduced-precision target): float32 autoregressive decoding (the judge's float32 copy) is timed beside it in
+    the same passes (A F B B F A), and speedups against the faster of the two AR decodings are reported too.
     """
     device = next(target.model.parameters()).device
     judge = judge or ExactnessJudge(target.model, DEFAULT_TOLERANCE)
@@ -175,15 +179,29 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         bar.update(0 if run == "warmup" else part)
         return out
 
+    f32 = None
+    if float32_baseline and judge.reduced:
+        f32 = SimpleNamespace(model=judge.float32_model(), eos_ids=target.eos_ids)
+
+    def ar32(i):
+        out = autoregressive(f32, prompts[i]["prompt_ids"], max_new_tokens, temperature, gen(i, "ar32"))
+        return out[1]["total_s"] / len(out[0]), out[1]["decode_s"] / max(1, len(out[0]) - 1)
+
     ar(0, "warmup"), spec(0, "warmup")
-    ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
+    if f32 is not None:
+        ar32(0)
+    ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode, f32_runs = [], [], [], [], []
     draft_s, verify_s, select_s, scorings, prefill_s, accepted, mismatches = [], [], [], [], [], [], []
     near_ties, timed_accepted = [], []  # timed_accepted: every round of the first runs (what the timing covers)
     ar_outputs, out_tokens, forwards, verified, drafted, per_prompt = [], 0, 0, [], [], []
     for i, p in enumerate(prompts):
         for r in range(repeats):
             a1, t_a1 = ar(i, 2 * r)
+            if f32 is not None:
+                f32_runs.append(ar32(i))
             s1, s2 = spec(i, 2 * r), spec(i, 2 * r + 1)
+            if f32 is not None:
+                f32_runs.append(ar32(i))
             a2, t_a2 = ar(i, 2 * r + 1)
             for tokens, t in ((a1, t_a1), (a2, t_a2)):
                 ar_s_per_tok.append(t["total_s"] / len(tokens))
@@ -254,6 +272,15 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "target_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
         "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
     }
+    if f32_runs:  # the baseline a user compares with: the fastest plain decoding of the machine, either dtype
+        ms_f32 = 1e3 * _median([t for t, _ in f32_runs])
+        res["ms_per_token_ar_float32"] = ms_f32
+        res["speedup_vs_float32_ar"] = ms_f32 / ms_spec if ms_spec else 0.0
+        res["speedup_decode_vs_float32_ar"] = (_median([d for _, d in f32_runs]) / _median(spec_decode)
+                                               if _median(spec_decode) else 0.0)
+        res["fastest_ar_dtype"] = "float32" if ms_f32 < ms_ar else res["target_dtype"]
+    res["speedup_vs_fastest_ar"] = res.get("speedup_vs_float32_ar", 0.0) if res.get("fastest_ar_dtype") == \
+        "float32" else res["speedup"]
     ar_step_ms = 1e3 * _median(ar_decode)
     res["ar_step_ms"] = ar_step_ms  # a decoding step of the autoregressive runs
     if draft_s and ar_step_ms:  # what a round cost inside these decodes, in those steps
@@ -503,7 +530,8 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         for m, method in methods.items():
             online = run_online(target, method, timed, label=label, block_size=B,
                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
-                                repeats=e.timing_repeats, strict=e.strict_exact, costs=here, judge=judge)
+                                repeats=e.timing_repeats, strict=e.strict_exact, costs=here, judge=judge,
+                                float32_baseline=e.float32_baseline)
             online.pop("ar_outputs")
             own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {

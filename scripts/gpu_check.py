@@ -1,11 +1,13 @@
 """GPU check: the verify-cost curve, packed drafter training and near-tie exactness at Qwen3-8B's shape, in one run.
 
     python scripts/gpu_check.py                                  # on a GPU machine (an H200: about 4 minutes)
-    python scripts/gpu_check.py --scale tiny --device cpu        # to try it on a CPU (about 15 s on 2 cores)
+    python scripts/gpu_check.py --scale tiny --device cpu        # to try it on a CPU (about 20 s on 2 cores)
 
-Needs only torch and transformers (>= 5.24: the project passes `cache=` to the model; 5.17 still calls it
-`past_key_values`, which the preflight refuses), and safetensors, which transformers brings. No hydra, omegaconf,
-accelerate, datasets or wandb, no download, and no install: the package is this checkout (see `use_checkout`).
+Needs only torch and transformers >= 5.24 (the project passes `cache=` to the model; up to 5.23 it is called
+`past_key_values`, and the check refuses to start), and safetensors, which transformers brings. Where an older
+transformers is installed: `pip install --no-deps --target DIR transformers-5.24.0-py3-none-any.whl` and
+PYTHONPATH=DIR. No hydra, omegaconf, accelerate, datasets or wandb, no download, and no install of this project: the
+package is this checkout (see `use_checkout`).
 
 A random-weight target of Qwen3-8B's shape (bf16, built on the device) and a paper-shape DFlash drafter (5 layers at
 the target's width, block 16, 5 tapped layers) on it; then, each section timed:
@@ -18,6 +20,8 @@ the target's width, block 16, 5 tapped layers) on it; then, each section timed:
 - decodes   autoregressive vs speculative greedy decodes of random prompts (eval/decode.py) with the trained drafter,
             each classified by eval/exactness.py ExactnessJudge (identical / near_tie / wrong, the float32
             log-prob gap at a divergence), tau per decode and the decode speedup (AR time / speculative time).
+            A drafter trained on random tokens for a random target drafts little that is accepted (tau near 1,
+            speedup below 1): the decodes check exactness and the loop's overheads, not a trained drafter's gain.
 Prints a summary and writes everything as JSON to --out (default $OUT/gpu_check.json when OUT is set, else
 ./gpu_check.json), atomically, after every section: a run stopped at its time limit keeps what it finished.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
+import inspect
 import importlib.util
 import json
 import math
@@ -38,7 +43,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = ("hydra", "omegaconf", "accelerate", "datasets", "wandb")  # must not be needed (nor imported)
+# Not needed here. Reported when imported all the same: transformers imports accelerate itself where it is installed.
+UNNEEDED = ("hydra", "omegaconf", "accelerate", "datasets", "wandb")
 BLOCK, TAPS, DRAFTER_LAYERS = 16, 5, 5
 TREE_SIZES = (16, 32, 64, 128)
 # Target shapes: Qwen3-8B's, and a reduced width of the same family (8 layers: 5 distinct taps need at least 8).
@@ -67,25 +73,27 @@ def use_checkout() -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--scale", choices=sorted(SCALES), default="qwen3_8b")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", choices=sorted(SCALES), default="qwen3_8b",
+                    help="the target's shape (default: %(default)s)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                    help="the target's (default: %(default)s)")
     ap.add_argument("--context", type=int, help="random tokens before the cost curve (default: 512; tiny 64)")
     ap.add_argument("--cost-repeats", type=int, help="measure_costs passes (default: 12; tiny 3)")
     ap.add_argument("--train-steps", type=int, help="optimizer steps (default: 300; tiny 5)")
     ap.add_argument("--train-seqs", type=int, help="sequences per step (default: 4; tiny 2)")
     ap.add_argument("--train-len", type=int, help="tokens per sequence (default: 1024; tiny 128)")
     ap.add_argument("--anchors", type=int, help="anchor blocks per sequence (default: 256; tiny 8)")
-    ap.add_argument("--train-budget-s", type=float, default=240.0, help="stop training after this many seconds")
-    ap.add_argument("--lr", type=float, default=6e-4)
-    ap.add_argument("--decodes", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--train-budget-s", type=float, default=240.0,
+                    help="stop training after this many seconds (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=6e-4, help="AdamW's, constant (default: %(default)s)")
+    ap.add_argument("--decodes", type=int, default=4, help="prompts decoded both ways (default: %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="per decode (default: %(default)s)")
     ap.add_argument("--prompt-len", type=int, help="random prompt tokens per decode (default: 128; tiny 16)")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="near-tie tolerance in nats (default: eval.exactness.DEFAULT_TOLERANCE)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="weights, tokens and anchors (default: %(default)s)")
     ap.add_argument("--out", default=None, help="default: $OUT/gpu_check.json when OUT is set, else gpu_check.json")
     args = ap.parse_args()
     for k, v in DEFAULTS[args.scale].items():
@@ -123,8 +131,9 @@ class Run:
 
     def write(self) -> None:
         """Atomically: a tmp file in the same folder, then os.replace."""
+        self.results["seconds"].pop("total", None)  # kept last
         self.results["seconds"]["total"] = round(time.perf_counter() - self.t0, 2)
-        self.results["imported_forbidden"] = [m for m in FORBIDDEN if m in sys.modules]
+        self.results["unneeded_imported"] = [m for m in UNNEEDED if sys.modules.get(m) is not None]
         self.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.out.with_name(f".{self.out.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.results, indent=1))
@@ -245,15 +254,13 @@ def train(run: Run, res: dict, model, drafter, args, dtype, gen) -> None:
     ms = 1e3 * statistics.median(step_s[warm:])
     per_step = statistics.mean(blocks[warm:])
     res.update(steps=len(step_s), warmup_steps=warm, sequences=args.train_seqs, seq_len=args.train_len,
-               anchors_per_sequence=args.anchors, autocast=str(dtype).removeprefix("torch.") if dtype != torch.float32
-               else "off", ms_per_step=ms, pack_ms=1e3 * statistics.median(pack_s[warm:]),
-               anchor_blocks_per_step=per_step, anchor_blocks_per_s=1e3 * per_step / ms,
-               block_positions_per_s=1e3 * per_step * BLOCK / ms,
-               context_tokens_per_s=1e3 * args.train_seqs * args.train_len / ms, peak_memory_gib=peak_memory_gib(device),
-               losses=losses, losses_finite=all(math.isfinite(x) for x in losses),
-               drafter_params_m=sum(p.numel() for p in params) / 1e6)
-    del opt, params
-    drafter.zero_grad(set_to_none=True)
+               anchors_per_sequence=args.anchors, drafter_params_m=sum(p.numel() for p in params) / 1e6,
+               autocast=str(dtype).removeprefix("torch.") if dtype != torch.float32 else "off",
+               ms_per_step=ms, pack_ms=1e3 * statistics.median(pack_s[warm:]), anchor_blocks_per_step=per_step,
+               anchor_blocks_per_s=1e3 * per_step / ms, block_positions_per_s=1e3 * per_step * BLOCK / ms,
+               context_tokens_per_s=1e3 * args.train_seqs * args.train_len / ms,  # train/loop.py's tokens_per_s
+               peak_memory_gib=peak_memory_gib(device), losses=losses,
+               losses_finite=all(math.isfinite(x) for x in losses))
 
 
 def decodes(run: Run, res: dict, target, drafter, args, gen) -> None:
@@ -288,8 +295,8 @@ def decodes(run: Run, res: dict, target, drafter, args, gen) -> None:
     if run.device.type == "cuda":
         torch.cuda.empty_cache()
     counts = {k: sum(r["kind"] == k for r in rows) for k in ("identical", "near_tie", "wrong")}
-    res.update(tolerance=tolerance, peak_memory_gib=peak, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, counts=counts,
-               decodes=rows, tau=[r["tau"] for r in rows],
+    res.update(tolerance=tolerance, peak_memory_gib=peak, prompt_len=args.prompt_len,
+               max_new_tokens=args.max_new_tokens, counts=counts, decodes=rows, tau=[r["tau"] for r in rows],
                speedup=sum(r["ar_s"] for r in rows) / max(1e-9, sum(r["spec_s"] for r in rows)),
                decode_speedup=sum(r["ar_decode_s"] for r in rows) / max(1e-9, sum(r["spec_decode_s"] for r in rows)))
 
@@ -307,7 +314,8 @@ def summary(r: dict) -> None:
     if "ms_per_step" in t:
         print(f"train: {t['steps']} steps, {t['ms_per_step']:.1f} ms/step (pack {t['pack_ms']:.1f}), "
               f"{t['block_positions_per_s']:.0f} block positions/s, {t['anchor_blocks_per_s']:.1f} anchor blocks/s, "
-              f"peak {t['peak_memory_gib'] or float('nan'):.1f} GiB, loss {t['losses'][0]:.3f} -> {t['losses'][-1]:.3f}")
+              f"peak {t['peak_memory_gib'] or float('nan'):.1f} GiB, loss {t['losses'][0]:.3f} -> "
+              f"{t['losses'][-1]:.3f}")
     d = r.get("decodes", {})
     if "counts" in d:
         gaps = [(x["position"], x["logprob_gap"]) for x in d["decodes"] if x["kind"] != "identical"]
@@ -335,14 +343,14 @@ def main() -> int:
     r["machine"] = {**machine(), "transformers": transformers.__version__,
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     r["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    r["package_root"] = str(Path(sys.modules["dflash_pipeline"].__path__[0]))
+    r["package_root"] = str(Path(sys.modules["dflash_pipeline.models"].__file__).parents[1])  # where it came from
     with run.section("build") as res:
-        model = build_target(args.scale, device, dtype)
-        import inspect
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
-        if "cache" not in inspect.signature(type(model.model).forward).parameters:
-            raise RuntimeError(f"transformers {transformers.__version__} names the KV cache argument "
-                               "`past_key_values`; the project passes `cache=` (transformers >= 5.24)")
+        if "cache" not in inspect.signature(Qwen3Model.forward).parameters:  # else the KV cache is silently unused
+            raise RuntimeError(f"transformers {transformers.__version__} calls the KV cache `past_key_values`; the "
+                               "project passes `cache=` (transformers >= 5.24)")
+        model = build_target(args.scale, device, dtype)
         drafter = build_drafter(model, args.scale, device)
         run.sync()
         res.update(target_params_b=sum(p.numel() for p in model.parameters()) / 1e9,
@@ -360,6 +368,7 @@ def main() -> int:
                                  repeats=args.cost_repeats, tree_sizes=TREE_SIZES))
     with run.section("train") as res:
         train(run, res, model, drafter, args, dtype, gen)
+    drafter.zero_grad(set_to_none=True)  # also after a failed step
     if device.type == "cuda":
         torch.cuda.empty_cache()
     with run.section("decodes") as res:

@@ -94,8 +94,11 @@ def test_a_planted_wrong_acceptance_fails_in_bf16(bf16_target, prompt, monkeypat
     drafter = DFlashDrafter(conf, model.get_input_embeddings(), model.get_output_embeddings()).to(torch.bfloat16)
     method = decode.ChainMethod(drafter.eval())
     batch = [{"id": "p0", "prompt_ids": prompt}]
-    honest = run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12)
+    honest = run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12,
+                        float32_baseline=True)
     assert honest["exact"] is True and honest["target_dtype"] == "bfloat16"
+    assert honest["ms_per_token_ar_float32"] > 0 and honest["fastest_ar_dtype"] in ("float32", "bfloat16")
+    assert honest["speedup_vs_fastest_ar"] == pytest.approx(min(honest["speedup"], honest["speedup_vs_float32_ar"]))
     assert honest["outputs_compared"] == 3 and honest["near_tie_outputs"] == len(honest["near_ties"])
     real = decode.target_forward
 
