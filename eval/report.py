@@ -43,7 +43,8 @@ def markdown(results: dict) -> str:
                 f"{_f(r['scorings_per_round'], 0)} | {_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
                 f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x / {_f(r.get('speedup_decode'), 2)}x "
                 f"({_f(r.get('predicted_speedup'), 2)}x)"
-                + (f"; vs float32 AR {_f(r['speedup_vs_float32_ar'], 2)}x" if "speedup_vs_float32_ar" in r else "")
+                + (f"; vs fastest AR ({r['fastest_ar_dtype']}) {_f(r['speedup_vs_fastest_ar'], 2)}x"
+                   if len(r.get("ms_per_token_ar_by_dtype", {})) > 1 else "")
                 + f" | {_f(r.get('round_cost_in_decode'), 2)} / "
                 f"{_f(r.get('round_cost_predicted'), 2)} | {r['exact']} ({r.get('near_tie_outputs', 0)} / "
                 f"{r.get('outputs_compared', '-')}) |")

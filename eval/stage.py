@@ -42,7 +42,7 @@ from dflash_pipeline.eval.references import ReferenceCache, turn_prompts
 from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
-from dflash_pipeline.models.target import Target, load_target
+from dflash_pipeline.models.target import Target, load_target, torch_dtype
 from dflash_pipeline.data.splits import split_heldout, step_seed
 from dflash_pipeline.train import catalogue
 from dflash_pipeline.train.logger import RunLogger
@@ -147,15 +147,15 @@ def _median(xs: list[float]) -> float:
 def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True,
                costs: EvalContext | None = None, judge: ExactnessJudge | None = None,
-               float32_baseline: bool = False) -> dict:
+               baselines: dict[str, torch.nn.Module] | None = None) -> dict:
     """Speculative vs autoregressive decoding of `prompts` (A B B A per prompt per repeat, after one warm-up).
 
     Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
     With `costs` (the measured verify-cost curve), also the speedup that curve predicts for the rounds run.
     Greedy outputs are classified by `judge` (eval/exactness.py; default: one for the target's dtype with the
-    default tolerance); acceptance counts the rounds before a near-tie divergence only. float32_baseline (a
-    reduced-precision target): float32 autoregressive decoding (the judge's float32 copy) is timed beside it in
-    the same passes (A F B B F A), and speedups against the faster of the two AR decodings are reported too.
+    default tolerance); acceptance counts the rounds before a near-tie divergence only. baselines: the target in
+    other dtypes ({dtype: model}, eval.baseline_dtypes), whose plain decoding is timed in the same passes
+    (A F B B F A); speedups against the fastest autoregressive decoding of any dtype are reported beside.
     """
     device = next(target.model.parameters()).device
     judge = judge or ExactnessJudge(target.model, DEFAULT_TOLERANCE)
@@ -179,29 +179,30 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         bar.update(0 if run == "warmup" else part)
         return out
 
-    f32 = None
-    if float32_baseline and judge.reduced:
-        f32 = SimpleNamespace(model=judge.float32_model(), eos_ids=target.eos_ids)
+    others = {d: SimpleNamespace(model=m, eos_ids=target.eos_ids) for d, m in (baselines or {}).items()}
 
-    def ar32(i):
-        out = autoregressive(f32, prompts[i]["prompt_ids"], max_new_tokens, temperature, gen(i, "ar32"))
-        return out[1]["total_s"] / len(out[0]), out[1]["decode_s"] / max(1, len(out[0]) - 1)
+    def ar_in(dtype: str, i: int) -> tuple[float, float]:
+        """(s per token, s per decode step) of plain decoding of prompt i by the target in another dtype."""
+        tokens, t = autoregressive(others[dtype], prompts[i]["prompt_ids"], max_new_tokens, temperature,
+                                   gen(i, "ar", dtype))
+        return t["total_s"] / len(tokens), t["decode_s"] / max(1, len(tokens) - 1)
 
     ar(0, "warmup"), spec(0, "warmup")
-    if f32 is not None:
-        ar32(0)
-    ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode, f32_runs = [], [], [], [], []
+    for d in others:
+        ar_in(d, 0)
+    ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
+    other_runs: dict[str, list[tuple[float, float]]] = {d: [] for d in others}
     draft_s, verify_s, select_s, scorings, prefill_s, accepted, mismatches = [], [], [], [], [], [], []
     near_ties, timed_accepted = [], []  # timed_accepted: every round of the first runs (what the timing covers)
     ar_outputs, out_tokens, forwards, verified, drafted, per_prompt = [], 0, 0, [], [], []
     for i, p in enumerate(prompts):
         for r in range(repeats):
             a1, t_a1 = ar(i, 2 * r)
-            if f32 is not None:
-                f32_runs.append(ar32(i))
+            for d in others:
+                other_runs[d].append(ar_in(d, i))
             s1, s2 = spec(i, 2 * r), spec(i, 2 * r + 1)
-            if f32 is not None:
-                f32_runs.append(ar32(i))
+            for d in others:
+                other_runs[d].append(ar_in(d, i))
             a2, t_a2 = ar(i, 2 * r + 1)
             for tokens, t in ((a1, t_a1), (a2, t_a2)):
                 ar_s_per_tok.append(t["total_s"] / len(tokens))
@@ -272,15 +273,16 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "target_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
         "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
     }
-    if f32_runs:  # the baseline a user compares with: the fastest plain decoding of the machine, either dtype
-        ms_f32 = 1e3 * _median([t for t, _ in f32_runs])
-        res["ms_per_token_ar_float32"] = ms_f32
-        res["speedup_vs_float32_ar"] = ms_f32 / ms_spec if ms_spec else 0.0
-        res["speedup_decode_vs_float32_ar"] = (_median([d for _, d in f32_runs]) / _median(spec_decode)
-                                               if _median(spec_decode) else 0.0)
-        res["fastest_ar_dtype"] = "float32" if ms_f32 < ms_ar else res["target_dtype"]
-    res["speedup_vs_fastest_ar"] = res.get("speedup_vs_float32_ar", 0.0) if res.get("fastest_ar_dtype") == \
-        "float32" else res["speedup"]
+    # the baseline a user compares with: the fastest plain decoding on the machine, in any dtype timed
+    per_dtype = {res["target_dtype"]: (ms_ar, _median(ar_decode))}
+    per_dtype.update({d: (1e3 * _median([t for t, _ in runs]), _median([x for _, x in runs]))
+                      for d, runs in other_runs.items()})
+    fastest = min(per_dtype, key=lambda d: per_dtype[d][0])
+    res["ms_per_token_ar_by_dtype"] = {d: ms for d, (ms, _) in per_dtype.items()}
+    res["fastest_ar_dtype"] = fastest
+    res["speedup_vs_fastest_ar"] = per_dtype[fastest][0] / ms_spec if ms_spec else 0.0
+    spec_step = _median(spec_decode)
+    res["speedup_decode_vs_fastest_ar"] = per_dtype[fastest][1] / spec_step if spec_step else 0.0
     ar_step_ms = 1e3 * _median(ar_decode)
     res["ar_step_ms"] = ar_step_ms  # a decoding step of the autoregressive runs
     if draft_s and ar_step_ms:  # what a round cost inside these decodes, in those steps
@@ -400,6 +402,19 @@ def decode_context(prompts: list[dict], max_new_tokens: int, room: int) -> list[
     return (ids * (length // len(ids) + 1))[:length]
 
 
+def baseline_models(target: Target, dtypes: list[str], judge: ExactnessJudge) -> dict:
+    """The target in each of `dtypes` other than its own (the float32 one shared with the exactness judge): plain
+    decoding in the dtype that is fastest on this machine is the baseline a user compares with (on a CPU without
+    native bf16, bf16 decodes faster one token at a time but verifies blocks slower; README, 'Precision')."""
+    import copy
+
+    out = {}
+    for d in dict.fromkeys(dtypes):
+        if d != target.dtype:
+            out[d] = judge.float32_model() if d == "float32" else copy.deepcopy(target.model).to(torch_dtype(d))
+    return out
+
+
 def numerics(target: Target, teacher_dir: Path, tolerance: float) -> dict:
     """The target's dtype here (and why, on which machine) beside the teacher data's: a drafter trained on features
     of other numerics than it is evaluated with is reported as such (and logged), not refused: a GPU-made bf16
@@ -446,6 +461,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         raise EvalError(f"eval.block_size={B} must be in 2 .. {trained_B} (the trained block size)")
     layer_ids = list(drafter.config.target_layer_ids)
     judge = ExactnessJudge(target.model, e.near_tie_tolerance)
+    baselines = baseline_models(target, [str(d) for d in e.baseline_dtypes], judge)
     methods = load_methods(cfg, drafter, train_dir, component_dirs, drafter_dir)
     for name, method in methods.items():
         try:
@@ -531,7 +547,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             online = run_online(target, method, timed, label=label, block_size=B,
                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
                                 repeats=e.timing_repeats, strict=e.strict_exact, costs=here, judge=judge,
-                                float32_baseline=e.float32_baseline)
+                                baselines=baselines)
             online.pop("ar_outputs")
             own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {

@@ -9,7 +9,7 @@ from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import autoregressive
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, WRONG, ExactnessError, ExactnessJudge, \
     first_mismatch, rounds_before
-from dflash_pipeline.eval.stage import run_online
+from dflash_pipeline.eval.stage import baseline_models, run_online
 from dflash_pipeline.models.precision import machine, resolve_dtype
 from dflash_pipeline.models.target import load_target
 
@@ -94,11 +94,13 @@ def test_a_planted_wrong_acceptance_fails_in_bf16(bf16_target, prompt, monkeypat
     drafter = DFlashDrafter(conf, model.get_input_embeddings(), model.get_output_embeddings()).to(torch.bfloat16)
     method = decode.ChainMethod(drafter.eval())
     batch = [{"id": "p0", "prompt_ids": prompt}]
-    honest = run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12,
-                        float32_baseline=True)
+    judge = ExactnessJudge(bf16_target.model, 0.5)
+    honest = run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12, judge=judge,
+                        baselines=baseline_models(bf16_target, ["float32", "bfloat16"], judge))
     assert honest["exact"] is True and honest["target_dtype"] == "bfloat16"
-    assert honest["ms_per_token_ar_float32"] > 0 and honest["fastest_ar_dtype"] in ("float32", "bfloat16")
-    assert honest["speedup_vs_fastest_ar"] == pytest.approx(min(honest["speedup"], honest["speedup_vs_float32_ar"]))
+    ms = honest["ms_per_token_ar_by_dtype"]  # the baseline: the faster of float32 and bf16 plain decoding
+    assert set(ms) == {"float32", "bfloat16"} and honest["fastest_ar_dtype"] == min(ms, key=ms.get)
+    assert honest["speedup_vs_fastest_ar"] == pytest.approx(min(ms.values()) / honest["ms_per_token_spec"])
     assert honest["outputs_compared"] == 3 and honest["near_tie_outputs"] == len(honest["near_ties"])
     real = decode.target_forward
 

@@ -68,6 +68,7 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
         for ds, r in per.items():
             assert r["exact"] is True and r["mismatches"] == [], (method, ds)
             assert r["identical"] is True and r["near_tie_outputs"] == 0 and r["outputs_compared"] == 3
+            assert set(r["ms_per_token_ar_by_dtype"]) == {"float32", "bfloat16"} and r["speedup_vs_fastest_ar"] > 0
             assert r["oracle_tau"] >= 1.0 and 0.0 <= r["select_fraction"] < 1.0
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
     run_stages(cfg, tmp_path, ["teacher", "components", "eval"])
