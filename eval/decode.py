@@ -304,6 +304,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     B = block_size or method.max_block_size
     if not 2 <= B <= method.max_block_size:
         raise ValueError(f"block size {B} must be in 2 .. {method.max_block_size} (the trained block size)")
+    method.check(B, temperature)  # e.g. a greedy-only method at temperature > 0: refused, never run differently
     model, eos = target.model, target.eos_ids
     device = _device(model)
     res = SpecResult(tokens=[])

@@ -71,6 +71,9 @@ class Oracle:
     def start(self):
         self.expected = []
 
+    def check(self, block_size, temperature):
+        pass
+
     def propose(self, state, block_size, temperature=0.0, generator=None):
         n = len(state.output)
         drafts = list(self.continuation[n: n + block_size - 1])
@@ -360,3 +363,15 @@ def test_cost_curve_context_is_the_median_decode_context():
     assert len(decode_context(prompts, max_new_tokens=96, room=10_000)) == 40 + 48
     assert len(decode_context(prompts, max_new_tokens=96, room=50)) == 50
     assert decode_context(prompts, 96, 10_000)[:12] == list(range(1, 11)) + [1, 2]  # the first prompt, repeated
+
+
+def test_speculative_refuses_a_method_that_cannot_run_at_this_temperature(target, prompt_ids, random_drafter):
+    """From the library too, a greedy-only method at temperature > 0 raises instead of silently decoding
+    differently (a tree walking the argmax, a policy falling back to the chain sampler)."""
+    class GreedyOnly(decode.ChainMethod):
+        name, greedy_only = "greedy_only", True
+
+    method = GreedyOnly(random_drafter)
+    with pytest.raises(ValueError, match="greedy_only decodes greedily only"):
+        speculative(target, method, prompt_ids[0], 8, 4, temperature=0.7)
+    assert speculative(target, method, prompt_ids[0], 8, 4).tokens == autoregressive(target, prompt_ids[0], 8)[0]

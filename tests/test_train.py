@@ -42,12 +42,39 @@ def test_blocks_labels_are_the_tokens_at_anchor_plus_k():
 
 
 def test_dpace_weights_match_hand_computation():
-    ce = torch.tensor([[torch.log(torch.tensor(2.0)), torch.log(torch.tensor(4.0)), 0.0]])
-    # q = [1/2, 1/4, 1]; s = 0.5 q + 0.5 = [.75, .625, 1]; P = [.75, .46875, .46875]; w_k = sum_{j>=k} P_j
-    w = dpace_weights(ce, torch.tensor([[True, True, True]]), alpha=0.5)
+    q = torch.tensor([[0.5, 0.25, 1.0]])
+    # s = 0.5 q + 0.5 = [.75, .625, 1]; P = [.75, .46875, .46875]; w_k = sum_{j>=k} P_j
+    w = dpace_weights(q, torch.tensor([[True, True, True]]), alpha=0.5)
     torch.testing.assert_close(w, torch.tensor([[1.6875, 0.9375, 0.46875]]))
-    w = dpace_weights(ce, torch.tensor([[True, True, False]]), alpha=0.5)
+    w = dpace_weights(q, torch.tensor([[True, True, False]]), alpha=0.5)
     torch.testing.assert_close(w, torch.tensor([[1.21875, 0.46875, 0.0]]))
+
+
+def test_dpace_label_outside_the_draft_vocabulary_has_q_zero():
+    """Such a label carries no loss, but the path through it cannot survive: s = alpha there (q = 0), so every
+    later position's weight drops by alpha (it used to be s = 1, over-weighting them)."""
+    logits = torch.zeros(1, 3, 4)  # uniform: q = 1/4 where the label is in the vocabulary
+    labels, valid = torch.tensor([[0, -1, 2]]), torch.tensor([[True, True, True]])
+    # s = [0.625, 0.5, 0.625]; P = [0.625, 0.3125, 0.1953125]; mask [1, 0, 1]: w = [0.8203125, 0.1953125, 0.1953125]
+    ce = torch.log(torch.tensor(4.0))
+    total = block_loss(logits, labels, valid, kind="dpace", gamma=1.0, alpha=0.5)
+    torch.testing.assert_close(total, ce * (0.8203125 + 0.1953125))
+
+
+def test_frozen_components_weight_positions_as_the_drafter_was_trained():
+    """A selector / jump head on a D-PACE drafter takes the drafter's D-PACE weights of each block (from its own q of
+    the true tokens), not decay weights."""
+    from dflash_pipeline.train.frozen import FrozenDrafterComponent
+    from dflash_pipeline.train.losses import decay_weights
+
+    comp = FrozenDrafterComponent.__new__(FrozenDrafterComponent)
+    comp.decay = decay_weights(3, 4.0)
+    batch = {"valid": torch.tensor([[True, True, True], [True, True, False]]),
+             "label_q": torch.tensor([[0.5, 0.25, 1.0], [0.0, 0.9, 0.2]])}
+    comp.cfg = make_config("trainer.loss=dpace")
+    torch.testing.assert_close(comp.position_weights(batch), dpace_weights(batch["label_q"], batch["valid"], 0.5))
+    comp.cfg = make_config("trainer.loss=decay")
+    torch.testing.assert_close(comp.position_weights(batch), comp.decay.expand(2, -1))
 
 
 def test_decay_loss_is_a_weighted_mean():

@@ -20,7 +20,7 @@ from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.component import StageInputs, loop_settings
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.losses import decay_weights, default_gamma
+from dflash_pipeline.train.losses import decay_weights, default_gamma, dpace_weights
 
 
 @dataclass
@@ -58,8 +58,16 @@ class FrozenDrafterComponent:
         self.block_size = self.drafter.config.block_size
         self.train_idx, self.heldout_idx = split_heldout(self.data.ids, cfg.trainer.heldout_samples,
                                                          cfg.trainer.train_samples)
-        gamma = cfg.trainer.gamma or default_gamma(self.block_size)
-        self.position_weights = decay_weights(self.block_size - 1, gamma, device=device)  # the drafter's weights
+        self.decay = decay_weights(self.block_size - 1, cfg.trainer.gamma or default_gamma(self.block_size),
+                                   device=device)
+
+    def position_weights(self, batch: dict) -> torch.Tensor:
+        """(N, B-1) the weights the drafter was trained with, on this batch's blocks: decay weights, or for a D-PACE
+        drafter its D-PACE weights from its own probability of each true token (batch["label_q"])."""
+        valid = batch["valid"]
+        if self.cfg.trainer.loss == "dpace":
+            return dpace_weights(batch["label_q"], valid, self.cfg.trainer.dpace_alpha)
+        return self.decay.expand(valid.shape[0], -1)
 
     # -- data ------------------------------------------------------------------------------------------------
     def step_items(self, step: int) -> list[int]:
@@ -83,9 +91,12 @@ class FrozenDrafterComponent:
         logits = d.logits(hidden[:, 1:]).float()
         U, idx = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
         labels, anchors = b["labels"][keep], b["block_ids"][keep][:, 0]
+        column = d.target_to_column()[labels.clamp(min=0)]  # -1: a label outside the draft vocabulary
+        q = torch.softmax(logits, -1).gather(-1, column.clamp(min=0)[..., None])[..., 0]
         out = {"hidden": hidden, "cand_ids": d.to_target_ids(idx), "U": U, "labels": labels,
                "valid": b["label_valid"][keep], "anchors": anchors,
-               "prev_true": torch.cat([anchors[:, None], labels[:, :-1]], dim=1)}
+               "prev_true": torch.cat([anchors[:, None], labels[:, :-1]], dim=1),
+               "label_q": torch.where(column >= 0, q, 0.0)}  # the drafter's probability of the true token
         if "topk_ids" in b:
             out["topk_ids"], out["topk_logprobs"] = b["topk_ids"][keep], b["topk_logprobs"][keep]
         if "verifier_hidden" in b:

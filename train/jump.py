@@ -59,7 +59,7 @@ class JumpComponent(FrozenDrafterComponent):
         return batch["valid"][:, at] & (batch["cand_ids"][:, at] == batch["labels"][:, at, None]).any(-1)
 
     def normaliser(self, batch: dict) -> float:
-        return float((self._scored(batch) * self.position_weights[self.at]).sum())
+        return float((self._scored(batch) * self.position_weights(batch)[:, self.at]).sum())
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         at, b = self.at, batch
@@ -67,7 +67,7 @@ class JumpComponent(FrozenDrafterComponent):
         if self.own.kl_weight > 0 and "topk_ids" in b:
             teacher = {"teacher_ids": b["topk_ids"][:, at], "teacher_logprobs": b["topk_logprobs"][:, at],
                        "kl_weight": self.own.kl_weight}
-        weights = self.position_weights[at].expand(b["labels"].shape[0], -1)
+        weights = self.position_weights(b)[:, at]
         return jump_loss(model, b["hidden"], b["cand_ids"][:, at], b["U"][:, at], b["labels"][:, at],
                          b["valid"][:, at], weight=self.own.weight, position_weights=weights, **teacher)
 

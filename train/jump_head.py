@@ -64,11 +64,11 @@ class JumpHeadComponent(FrozenDrafterComponent):
         return batch["valid"][:, at] & (self.to_column[batch["labels"][:, at]] >= 0)
 
     def normaliser(self, batch: dict) -> float:
-        return float((self._scored(batch) * self.position_weights[self.at]).sum())
+        return float((self._scored(batch) * self.position_weights(batch)[:, self.at]).sum())
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         at, b = self.at, batch
-        weights = self.position_weights[at].expand(b["labels"].shape[0], -1)
+        weights = self.position_weights(b)[:, at]
         return jump_head_loss(model, self.drafter, b["hidden"], b["labels"][:, at], b["valid"][:, at], weights,
                               marginal_ids=b["cand_ids"][:, at, 0])
 

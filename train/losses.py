@@ -24,15 +24,19 @@ def decay_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor
     return torch.exp(-k / gamma)
 
 
-def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D-PACE: q_k = exp(-CE_k), s_k = (1-a) q_k + a, P_k = prod_{j<=k} s_j, w_k = sum_{j>=k} P_j mask_j; detached.
+def dpace_weights(q: torch.Tensor, valid: torch.Tensor, alpha: float, carries: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """D-PACE: s_k = (1-a) q_k + a, P_k = prod_{j<=k} s_j, w_k = sum_{j>=k} P_j mask_j; detached.
 
-    ce, valid: (N, P). A position is weighted by how likely the path to it (and past it) survives.
+    q (N, P): the draft's probability of the true token (exp(-CE); 0 for a label the draft vocabulary lacks);
+    valid (N, P): positions with a label (s = 1 past the sequence's end); carries (N, P): positions that carry
+    loss (mask_j; default `valid`). A label outside the draft vocabulary has a label but no loss: its q is 0, so
+    it lowers the weight of every later position, as the path through it cannot survive.
     """
+    carries = valid if carries is None else carries
     with torch.no_grad():
-        s = (1 - alpha) * torch.exp(-ce.float()) + alpha
-        s = torch.where(valid, s, torch.ones_like(s))
-        p = torch.cumprod(s, dim=-1) * valid
+        s = torch.where(valid, (1 - alpha) * q.float() + alpha, torch.ones_like(q, dtype=torch.float32))
+        p = torch.cumprod(s, dim=-1) * carries
         return p.flip(-1).cumsum(-1).flip(-1)
 
 
@@ -66,7 +70,7 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
         raise ValueError(f"unknown trainer.loss {kind!r}; use decay, dpace or kl")
     if kind == "kl" and (teacher_ids is None or teacher_logprobs is None):
         raise ValueError("trainer.loss=kl needs the target's top-k log-probs: set teacher.topk_logprobs > 0")
-    valid = effective_valid(kind, labels, valid, teacher_ids)
+    has_label, valid = valid, effective_valid(kind, labels, valid, teacher_ids)
     logp = torch.log_softmax(logits.float(), dim=-1)  # (N, P, V)
     if kind == "kl":
         keep = teacher_ids >= 0
@@ -77,4 +81,5 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
     ce = -logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)  # (N, P)
     if kind == "decay":
         return (ce * decay_weights(labels.shape[1], gamma, logits.device) * valid).sum()
-    return (ce * dpace_weights(ce, valid, alpha) * valid).sum()
+    q = torch.where(valid, torch.exp(-ce.detach()), 0.0)  # a label outside the draft vocabulary: q = 0
+    return (ce * dpace_weights(q, has_label, alpha, valid) * valid).sum()

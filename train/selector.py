@@ -47,11 +47,11 @@ class SelectorComponent(FrozenDrafterComponent):
     def normaliser(self, batch: dict) -> float:
         """The position weights of the positions the selector can score (true token among the candidates)."""
         scored = batch["valid"] & (batch["cand_ids"] == batch["labels"][..., None]).any(-1)
-        return float((scored * self.position_weights).sum())
+        return float((scored * self.position_weights(batch)).sum())
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         return selector_loss(model, batch["hidden"][:, 1:], batch["cand_ids"], batch["U"], batch["prev_true"],
-                             batch["labels"], batch["valid"], self.position_weights)
+                             batch["labels"], batch["valid"], self.position_weights(batch))
 
     def train_metrics(self, stats: list[dict]) -> dict:
         total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
