@@ -495,8 +495,9 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                     for label, prompts in prompt_sets.items()},
         "references": {"folder": str(references.folder), "reused": references.reused,
                        "generated": references.generated},
-        "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats; "
-                               "medians of per-run time per output token",
+        "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats "
+                               "(plain decoding in each other dtype of eval.baseline_dtypes after the first AR and "
+                               "after the second spec); medians of per-run time per output token",
                    "device": str(device), "num_threads": torch.get_num_threads(), "repeats": e.timing_repeats},
         "numerics": numerics(target, teacher_dir, e.near_tie_tolerance),
         "offline": {},

@@ -127,3 +127,26 @@ def test_dtype_choice_is_recorded_and_auto_is_measured():
     cfg = make_config("target.dtype=auto")
     t = load_target(cfg.target, cfg.cache_dir)
     assert t.dtype == name and t.numerics["dtype"] == name and t.numerics["machine"] == info
+
+
+def test_tiny_pipeline_in_bf16_reports_numerics_and_near_ties(tmp_path):
+    """teacher -> drafter -> eval with a bf16 target: exact up to near-ties, counts and the numerics recorded, the
+    speedup also against the fastest plain decoding of either dtype."""
+    import json
+
+    from dflash_pipeline.conf.entrypoints import run_stages
+
+    cfg = make_config("target.dtype=bfloat16", "pipeline.components=[]", "eval.methods=[chain,ddtree]",
+                      "eval.tree_budgets=[4]", "eval.datasets=[mtbench]", "eval.turns=1")
+    out = run_stages(cfg, tmp_path, ["teacher", "train", "eval"])
+    assert json.loads((out["teacher"] / "manifest.json").read_text())["target"]["dtype"] == "bfloat16"
+    results = json.loads((out["eval"] / "eval_results.json").read_text())
+    num = results["numerics"]
+    assert num["dtype"] == num["teacher_dtype"] == "bfloat16" and num["same_as_teacher"]
+    assert num["near_tie_tolerance"] == 0.5 and num["machine"]["cpu"]
+    for method in ("chain", "ddtree_4"):
+        r = results["methods"][method]["mtbench"]
+        assert r["exact"] is True and r["target_dtype"] == "bfloat16" and r["outputs_compared"] == 3
+        assert r["near_tie_outputs"] == len(r["near_ties"]) and all(n["logprob_gap"] < 0.5 for n in r["near_ties"])
+        assert set(r["ms_per_token_ar_by_dtype"]) == {"float32", "bfloat16"}
+    assert "Target numerics: bfloat16" in (out["eval"] / "results.md").read_text()
