@@ -365,7 +365,9 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
                                     f"set eval.drafter_dir to the drafter it was trained on")
                 checked.add(component)
         try:
-            methods[name] = catalogue.make_method(base, drafter, exports, cfg.eval.policy, budget)
+            owner = catalogue.methods()[base][0]
+            methods[name] = catalogue.make_method(base, drafter, exports, cfg.eval.policy, budget,
+                                                  cfg.get(owner) if catalogue.module(owner).CONFIG else None)
         except ValueError as err:  # exports that do not fit together
             raise EvalError(f"eval method {name}: {err}") from err
     return methods

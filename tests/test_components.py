@@ -60,6 +60,9 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
             tree = catalogue.make_method(method_name, drafter, exports, budget=6).tree(
                 hidden[0], torch.randn(drafter.config.target_hidden_size), 1)
             assert len(tree) == 6 and int(tree.depths.max()) <= drafter.config.block_size - 1
+            if catalogue.module(name).CONFIG is not None and "children" in cfg[name]:  # the method reads its config
+                assert catalogue.make_method(method_name, drafter, exports, budget=6,
+                                             config=make_config(f"{name}.children=3")[name]).children == 3
             continue
         method = catalogue.make_method(method_name, drafter, exports)
         ids = torch.randint(0, drafter.config.vocab_size, (3, drafter.config.block_size - 1, method.top_k))
@@ -131,3 +134,21 @@ def test_a_weaver_shape_the_settings_cannot_build_is_one_line(tiny_teacher, tiny
         run_train(make_config("weaver.num_heads=3"), tmp_path / "weaver", data_dir=tiny_teacher, component="weaver",
                   drafter_dir=tiny_drafter_run / "export")
     assert not (tmp_path / "weaver" / "export").exists()
+
+
+def test_no_component_is_half_registered():
+    """Every component with a config group has its line in conf/config.yaml's defaults (else its
+    conf/<name>/default.yaml is silently ignored and `<name>=x` needs a `+`), and the smoke test (`experiment=tiny`)
+    trains every component on a frozen drafter and evaluates every method of the catalogue."""
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).parents[1] / "conf"
+    defaults = OmegaConf.load(root / "config.yaml").defaults
+    groups = {k for entry in defaults if isinstance(entry, dict) or OmegaConf.is_dict(entry) for k in entry}
+    for name in catalogue.config_classes():
+        assert name in groups, f"conf/config.yaml's defaults lack `- {name}: default`"
+        assert (root / name / "default.yaml").is_file(), f"conf/{name}/default.yaml is missing"
+    cfg = make_config()
+    assert set(cfg.eval.methods) == set(catalogue.methods())
+    assert {str(c) for c in cfg.pipeline.components} == {n for n in catalogue.COMPONENTS
+                                                         if catalogue.on_frozen_drafter(n)}

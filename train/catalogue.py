@@ -5,12 +5,13 @@ A component is one module (train/<name>.py) that declares, at module level:
   CONFIG     its config dataclass, the config group conf/<name>/ (None: it is configured by drafter + trainer)
   SECTIONS   the config sections of its own that its stage's output depends on (the stage hash adds its inputs')
   COMPONENT  its training component, a class following `train.component.TrainingComponent`
-  METHODS    the eval methods it brings: {name: EvalMethod} (see eval/decode.py for what a method does)
+  METHODS    the eval methods it brings: {name: EvalMethod}, each made from MethodInputs (its component's config
+             included; see eval/decode.py for what a method does)
   INPUTS     the stages it trains on: ("teacher",) for the drafter; ("teacher", "drafter") for a component trained on
              a frozen drafter, which gets a stage of its own, train/<name>/ in the run folder
 Adding a component touches its module, its config group (conf/<name>/default.yaml and its line in conf/config.yaml's
-defaults), its tests, and this table; nothing in the training loop,
-the stage code or the eval loop. Modules are imported only when a component or method is used.
+defaults, both checked by tests/test_components.py), its tests, and this table; nothing in the training loop,
+the stage code or the eval loop.
 """
 from __future__ import annotations
 
@@ -30,13 +31,23 @@ COMPONENTS = {
 
 
 @dataclass(frozen=True)
-class EvalMethod:
-    """make(drafter, exports, policy) -> the method, exports mapping each component it uses to its trained export
-    folder (the component that brings it, unless that is the drafter, and `also_needs`), policy the eval.policy
-    settings (conf/schema.py PolicyConfig). A tree method (`tree`) is made once per node budget of
-    eval.tree_budgets: make(drafter, exports, policy, budget), evaluated as `<name>_<budget>`."""
+class MethodInputs:
+    """What an eval method is made from."""
 
-    make: Callable
+    drafter: object  # the frozen DFlashDrafter
+    exports: dict[str, Path]  # the trained export folder of each component the method uses besides the drafter
+    policy: object  # the eval.policy settings (conf/schema.py PolicyConfig)
+    config: object = None  # the config section of the component that brings the method (its defaults if not given)
+    budget: int | None = None  # a tree method's node budget
+
+
+@dataclass(frozen=True)
+class EvalMethod:
+    """make(MethodInputs) -> the method; the exports hold the component that brings it (unless that is the drafter)
+    and `also_needs`. A tree method (`tree`) is made once per node budget of eval.tree_budgets, evaluated as
+    `<name>_<budget>`."""
+
+    make: Callable[[MethodInputs], object]
     also_needs: tuple[str, ...] = ()
     tree: bool = False
 
@@ -79,20 +90,22 @@ def evaluated_names(names, budgets) -> dict[str, tuple[str, int | None]]:
     return out
 
 
-def make_method(name: str, drafter, exports: dict[str, Path] | None = None, policy=None, budget: int | None = None):
-    """An eval method of the catalogue on `drafter`, with the export folders of the components it uses and the
-    eval.policy settings (default: PolicyConfig's defaults); a tree method with its node budget."""
+def make_method(name: str, drafter, exports: dict[str, Path] | None = None, policy=None, budget: int | None = None,
+                config=None):
+    """An eval method of the catalogue on `drafter`, with the export folders of the components it uses, the
+    eval.policy settings and its component's config section (defaults of each when not given); a tree method with
+    its node budget."""
     if name not in methods():
         raise KeyError(f"unknown eval method {name!r}; available: {', '.join(sorted(methods()))}")
-    if policy is None:
+    owner, entry = methods()[name]
+    if policy is None or (config is None and module(owner).CONFIG is not None):
         from omegaconf import OmegaConf
 
         from dflash_pipeline.conf.schema import PolicyConfig
 
-        policy = OmegaConf.structured(PolicyConfig)
-    entry = methods()[name][1]
-    if entry.tree:
-        if budget is None:
-            raise ValueError(f"{name} is a tree method: give it a node budget")
-        return entry.make(drafter, exports or {}, policy, budget)
-    return entry.make(drafter, exports or {}, policy)
+        policy = OmegaConf.structured(PolicyConfig) if policy is None else policy
+        if config is None and module(owner).CONFIG is not None:
+            config = OmegaConf.structured(module(owner).CONFIG)
+    if entry.tree and budget is None:
+        raise ValueError(f"{name} is a tree method: give it a node budget")
+    return entry.make(MethodInputs(drafter, dict(exports or {}), policy, config, budget))

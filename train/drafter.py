@@ -256,12 +256,11 @@ SECTIONS = ("drafter", "trainer")
 INPUTS = ("teacher",)
 COMPONENT = DrafterComponent
 METHODS = {
-    "chain": EvalMethod(lambda drafter, exports, policy: ChainMethod(drafter)),
+    "chain": EvalMethod(lambda m: ChainMethod(m.drafter)),
     # decoding policies on the drafter alone (eval/policies.py)
-    "boltzmann": EvalMethod(lambda drafter, exports, policy: policies.BoltzmannMethod(drafter, policy)),
-    "act": EvalMethod(lambda drafter, exports, policy: policies.ActMethod(drafter, policy)),
-    "adaptive": EvalMethod(lambda drafter, exports, policy: policies.AdaptiveMethod(drafter, policy)),
+    "boltzmann": EvalMethod(lambda m: policies.BoltzmannMethod(m.drafter, m.policy)),
+    "act": EvalMethod(lambda m: policies.ActMethod(m.drafter, m.policy)),
+    "adaptive": EvalMethod(lambda m: policies.AdaptiveMethod(m.drafter, m.policy)),
     # the training-free draft tree from the drafter's marginals (eval/tree.py), one per eval.tree_budgets entry
-    "ddtree": EvalMethod(lambda drafter, exports, policy, budget: DDTreeMethod(drafter, budget), tree=True),
+    "ddtree": EvalMethod(lambda m: DDTreeMethod(m.drafter, m.budget), tree=True),
 }
-

@@ -150,9 +150,9 @@ SECTIONS = ("jump",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = JumpComponent
 METHODS = {
-    "jump": EvalMethod(lambda drafter, exports, policy: load_jump(exports["jump"], drafter)),
+    "jump": EvalMethod(lambda m: load_jump(m.exports["jump"], m.drafter)),
     # gaps filled by the trained selector's walk from both neighbours instead of the argmax
-    "jump_selector": EvalMethod(lambda drafter, exports, policy: load_jump(
-        exports["jump"], drafter, load_selector(exports["selector"], drafter.norm.weight.device)),
+    "jump_selector": EvalMethod(lambda m: load_jump(
+        m.exports["jump"], m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device)),
         also_needs=("selector",)),
 }

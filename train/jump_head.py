@@ -151,9 +151,9 @@ SECTIONS = ("jump_head",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = JumpHeadComponent
 METHODS = {
-    "jump_head": EvalMethod(lambda drafter, exports, policy: load_jump_head(exports["jump_head"], drafter)),
+    "jump_head": EvalMethod(lambda m: load_jump_head(m.exports["jump_head"], m.drafter)),
     # gaps filled by the trained selector's walk from both neighbours instead of the argmax
-    "jump_head_selector": EvalMethod(lambda drafter, exports, policy: load_jump_head(
-        exports["jump_head"], drafter, load_selector(exports["selector"], drafter.norm.weight.device)),
+    "jump_head_selector": EvalMethod(lambda m: load_jump_head(
+        m.exports["jump_head"], m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device)),
         also_needs=("selector",)),
 }

@@ -115,13 +115,13 @@ class SelectorMethod(ChainMethod):
 
 
 def _method(how: str) -> EvalMethod:
-    return EvalMethod(lambda drafter, exports, policy: SelectorMethod(
-        drafter, load_selector(exports["selector"], drafter.norm.weight.device), how))
+    return EvalMethod(lambda m: SelectorMethod(
+        m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device), how))
 
 
 def _middle_out(boltzmann: bool) -> EvalMethod:
-    return EvalMethod(lambda drafter, exports, policy: MiddleOutMethod(
-        drafter, load_selector(exports["selector"], drafter.norm.weight.device), policy, boltzmann))
+    return EvalMethod(lambda m: MiddleOutMethod(
+        m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device), m.policy, boltzmann))
 
 
 # The catalogue entry (train/catalogue.py).

@@ -218,6 +218,7 @@ SECTIONS = ("weaver",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = WeaverComponent
 METHODS = {
-    "weaver_tree": EvalMethod(lambda drafter, exports, policy, budget: WeaverTreeMethod(
-        drafter, load_weaver(exports["weaver"], drafter.norm.weight.device), budget), tree=True),
+    "weaver_tree": EvalMethod(lambda m: WeaverTreeMethod(
+        m.drafter, load_weaver(m.exports["weaver"], m.drafter.norm.weight.device), m.budget, m.config.children),
+        tree=True),
 }
