@@ -81,7 +81,7 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
     assert not changed & set(untouched)
 
     # a method that cannot run with the asked settings is refused before any decoding, in one line
-    with pytest.raises(EvalError, match=r"eval method jump: .* greedily only"):
+    with pytest.raises(EvalError, match=r"eval method selector_viterbi: .* greedily only"):
         run_eval(make_config("eval.temperature=0.5"), tmp_path / "eval-sampling", teacher_dir=out["teacher"],
                  train_dir=out["train"])
     assert not (tmp_path / "eval-sampling").exists()

@@ -6,7 +6,8 @@ DFlash2 names `candidate_selector.{hidden_projection.weight [r, H], predecessor_
 successor_codebook [V, r]}` and `selector_rank` / `selector_top_k` in `dflash_config`. The codebooks index the
 target vocabulary, also for a draft-vocabulary drafter (candidates are mapped to target ids first).
 Eval methods: selector_greedy (left-to-right walk, K scorings per position) and selector_viterbi (exact best path,
-K^2 per position); at temperature > 0 both sample the walk and return the distributions drawn from.
+K^2 per position). At temperature > 0 selector_greedy samples the walk and returns the distributions drawn from;
+selector_viterbi, the exact best path, is greedy only (its sampled form would be the walk, not a Viterbi: refused).
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class SelectorMethod(ChainMethod):
         super().__init__(drafter)
         self.selector, self.how = selector, how
         self.name, self.top_k = f"selector_{how}", selector.top_k
+        self.greedy_only = how == "viterbi"  # sampling runs the walk: refused rather than silently swapped
 
     def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
         walk = self.selector.greedy_walk if self.how == "greedy" else self.selector.viterbi
