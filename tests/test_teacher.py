@@ -170,12 +170,9 @@ def test_resume_after_crash_gives_identical_dataset(tiny_teacher, tmp_path, monk
             assert torch.equal(g[k], w[k]), k
 
 
-def test_bf16_resume_after_crash_equals_an_uninterrupted_bf16_run(tmp_path, monkeypatch):
-    """bf16 replies may depend on their batch at near-ties, but the batches are fixed by the config: a crash-resumed
-    bf16 teacher writes exactly the shards of an uninterrupted one."""
-    cfg = make_config("target.dtype=bfloat16", "data.num_samples=6", "teacher.max_turns=1")
-    whole = run_teacher(cfg, tmp_path / "whole")
-    out, real_write = tmp_path / "resumed", teacher_mod.write_shard
+def crash_before_second_shard(cfg, out, monkeypatch) -> None:
+    """Run the teacher into `out` and kill it as it writes shard 1 (shard 0 complete), as a user's ^C would."""
+    real_write = teacher_mod.write_shard
 
     def crash_on_second(out_dir, k, *args, **kwargs):
         if k == 1:
@@ -186,6 +183,15 @@ def test_bf16_resume_after_crash_equals_an_uninterrupted_bf16_run(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         run_teacher(cfg, out)
     monkeypatch.setattr(teacher_mod, "write_shard", real_write)
+
+
+def test_bf16_resume_after_crash_equals_an_uninterrupted_bf16_run(tmp_path, monkeypatch):
+    """bf16 replies may depend on their batch at near-ties, but the batches are fixed by the config: a crash-resumed
+    bf16 teacher writes exactly the shards of an uninterrupted one."""
+    cfg = make_config("target.dtype=bfloat16", "data.num_samples=6", "teacher.max_turns=1")
+    whole = run_teacher(cfg, tmp_path / "whole")
+    out = tmp_path / "resumed"
+    crash_before_second_shard(cfg, out, monkeypatch)
     run_teacher(cfg, out)
     (got, got_records, _), (want, want_records, _) = _dataset_content(out), _dataset_content(whole)
     assert got_records == want_records and json.loads((out / "manifest.json").read_text())["target"]["dtype"] == \
@@ -199,18 +205,8 @@ def test_auto_dtype_resume_on_other_numerics_is_refused(tmp_path, monkeypatch):
 
     cfg, out = make_config("target.dtype=auto"), tmp_path / "teacher"
     monkeypatch.setattr(target_mod, "resolve_dtype", lambda name, device: ("float32", {"requested": name}))
-    real_write = teacher_mod.write_shard
-
-    def crash_on_second(out_dir, k, *args, **kwargs):
-        if k == 1:
-            raise KeyboardInterrupt("simulated kill")
-        return real_write(out_dir, k, *args, **kwargs)
-
-    monkeypatch.setattr(teacher_mod, "write_shard", crash_on_second)
-    with pytest.raises(KeyboardInterrupt):
-        run_teacher(cfg, out)
+    crash_before_second_shard(cfg, out, monkeypatch)
     assert json.loads((out / "plan.json").read_text())["target_dtype"] == "float32"
-    monkeypatch.setattr(teacher_mod, "write_shard", real_write)
     monkeypatch.setattr(target_mod, "resolve_dtype", lambda name, device: ("bfloat16", {"requested": name}))
     with pytest.raises(DatasetError, match=r"started with a float32 target, this machine runs it in bfloat16"):
         run_teacher(cfg, out)
