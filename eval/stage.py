@@ -31,11 +31,9 @@ from dflash_pipeline.conf.stages import config_hash, recorded_hash
 from dflash_pipeline.data.files import write_json, write_text
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.sources import load_conversations
-from dflash_pipeline.data.teacher import chat_segments
 from dflash_pipeline.eval import report
 from dflash_pipeline.eval.decode import autoregressive, speculative
-from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, NEAR_TIE, WRONG, ExactnessError, ExactnessJudge, \
-    rounds_before
+from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, NEAR_TIE, WRONG, ExactnessJudge, rounds_before
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, offline_metrics
 from dflash_pipeline.eval.policies import EvalContext, measure_costs
 from dflash_pipeline.eval.references import ReferenceCache, turn_prompts

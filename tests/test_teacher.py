@@ -193,7 +193,7 @@ def test_bf16_resume_after_crash_equals_an_uninterrupted_bf16_run(tmp_path, monk
     out = tmp_path / "resumed"
     crash_before_second_shard(cfg, out, monkeypatch)
     run_teacher(cfg, out)
-    (got, got_records, _), (want, want_records, _) = _dataset_content(out), _dataset_content(whole)
+    (_, got_records, _), (_, want_records, _) = _dataset_content(out), _dataset_content(whole)
     assert got_records == want_records and json.loads((out / "manifest.json").read_text())["target"]["dtype"] == \
         "bfloat16"
 

@@ -17,6 +17,7 @@ from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
+from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.component import StageInputs, loop_settings
 from dflash_pipeline.train.errors import TrainError
@@ -136,3 +137,48 @@ class FrozenDrafterComponent:
                          folder / "model.safetensors", metadata={"format": "pt"})
         write_text(folder / "config.json", json.dumps(config, indent=2))
         return folder
+
+
+def read_export(folder: Path, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, the tensors under `prefix` with it stripped) of a component's export (safetensors only)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    tensors = {k[len(prefix):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
+               if k.startswith(prefix)}
+    return config, tensors
+
+
+class OffsetHeadMethod(ChainMethod):
+    """Drafts guided by heads at sparse block offsets (the jump heads, the separate jump head): offsets whose head
+    is confident are fixed at its choice, the gaps take the drafter's argmax or, with a selector, its best path
+    from both neighbours. Greedy only, at the heads' block size only. A subclass brings `guide`."""
+
+    greedy_only = True
+
+    def __init__(self, drafter, name: str, block_size: int, top_k: int, selector=None):
+        super().__init__(drafter)
+        self.head_block_size, self.top_k, self.selector = block_size, top_k, selector
+        self.name = name if selector is None else f"{name}_selector"
+        if selector is not None and selector.top_k != top_k:
+            raise ValueError(f"{self.name} needs the same candidates: selector.top_k={selector.top_k}, "
+                             f"{name}.top_k={top_k}")
+
+    def guide(self, cand_ids, cand_logits, hidden, anchors, transition) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts (N, P), candidate scorings per block (N,)) given the selector's transition (None: argmax gaps)."""
+        raise NotImplementedError
+
+    def check(self, block_size: int, temperature: float) -> None:
+        if block_size != self.head_block_size:
+            raise ValueError(f"{self.name} was trained for block {self.head_block_size}; evaluate it at "
+                             f"eval.block_size={self.head_block_size}")
+        super().check(block_size, temperature)
+
+    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
+        self.check(hidden.shape[1], 0.0)
+        transition = None if self.selector is None else self.selector.transition
+        ids, work = self.guide(cand_ids, cand_logits, hidden.float(), anchors, transition)
+        return ids, float(work.float().mean())
+
+    def sample_path(self, logits, hidden, anchor, temperature, generator):
+        self.check(hidden.shape[1], temperature)

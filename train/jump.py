@@ -9,21 +9,19 @@ jump_selector (gaps are the trained selector's best path between their fixed nei
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.train.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
+    read_export
 from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_heads."
@@ -99,44 +97,24 @@ class JumpComponent(FrozenDrafterComponent):
             {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
 
 
-class JumpMethod(ChainMethod):
-    """Drafts guided by the jump heads: confident offsets fixed at the heads' choice, the rest the argmax."""
-
-    greedy_only = True
+class JumpMethod(OffsetHeadMethod):
+    """Drafts guided by the jump heads (models/jump.py guided_path: the heads' residual on the candidates, weight
+    `weight`, fixed where the top-1/top-2 margin passes `margin`)."""
 
     def __init__(self, drafter, heads: JumpHeads, margin: float, weight: float, top_k: int = 16,
                  selector: PairSelector | None = None):
-        super().__init__(drafter)
-        self.heads, self.margin, self.weight, self.top_k, self.selector = heads, margin, weight, top_k, selector
-        self.name = "jump" if selector is None else "jump_selector"
-        if selector is not None and selector.top_k != top_k:
-            raise ValueError(f"jump_selector needs the same candidates: selector.top_k={selector.top_k}, "
-                             f"jump.top_k={top_k}")
+        self.heads, self.margin, self.weight = heads, margin, weight
+        super().__init__(drafter, "jump", heads.block_size, top_k, selector)
 
-    def check(self, block_size: int, temperature: float) -> None:
-        if block_size != self.heads.block_size:
-            raise ValueError(f"the jump heads were trained for block {self.heads.block_size}; evaluate them at "
-                             f"eval.block_size={self.heads.block_size}")
-        super().check(block_size, temperature)
-
-    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
-        self.check(hidden.shape[1], 0.0)
-        transition = None if self.selector is None else self.selector.transition
-        ids, work = guided_path(cand_ids, cand_logits, hidden.float(), anchors, self.heads, self.margin, self.weight,
-                                transition)
-        return ids, float(work.float().mean())
-
-    def sample_path(self, logits, hidden, anchor, temperature, generator):
-        self.check(hidden.shape[1], temperature)
+    def guide(self, cand_ids, cand_logits, hidden, anchors, transition):
+        return guided_path(cand_ids, cand_logits, hidden, anchors, self.heads, self.margin, self.weight, transition)
 
 
 def load_jump(folder: Path, drafter, selector: PairSelector | None = None) -> JumpMethod:
     """The jump method of an export written by JumpComponent.export (safetensors + config.json only); with a
     selector, the gaps between fixed tokens are its best path from both neighbours."""
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config, tensors = read_export(folder, PREFIX)
     dc = config["dflash_config"]
-    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
-               if k.startswith(PREFIX)}
     heads = JumpHeads(config["vocab_size"], config["hidden_size"], config["block_size"], dc["jump_offsets"],
                       dc["jump_rank"])
     heads.load_state_dict(tensors, strict=True)

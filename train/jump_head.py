@@ -11,23 +11,21 @@ selector's best path between their fixed neighbours).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.jump import default_offsets
 from dflash_pipeline.models.jump_head import SeparateJumpHead, head_path, jump_head_loss
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.train.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
+    read_export
 from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_head."
@@ -100,44 +98,24 @@ class JumpHeadComponent(FrozenDrafterComponent):
             {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
 
 
-class JumpHeadMethod(ChainMethod):
-    """Drafts guided by the separate head: confident offsets fixed at its argmax, the gaps filled as for `jump`."""
-
-    greedy_only = True
+class JumpHeadMethod(OffsetHeadMethod):
+    """Drafts guided by the separate head (models/jump_head.py head_path: fixed at its argmax where its margin passes
+    `margin`), the gaps filled as for `jump`."""
 
     def __init__(self, drafter, head: SeparateJumpHead, margin: float, top_k: int = 16,
                  selector: PairSelector | None = None):
-        super().__init__(drafter)
-        self.head, self.margin, self.top_k, self.selector = head, margin, top_k, selector
-        self.name = "jump_head" if selector is None else "jump_head_selector"
-        if selector is not None and selector.top_k != top_k:
-            raise ValueError(f"jump_head_selector needs the same candidates: selector.top_k={selector.top_k}, "
-                             f"jump_head.top_k={top_k}")
+        self.head, self.margin = head, margin
+        super().__init__(drafter, "jump_head", head.block_size, top_k, selector)
 
-    def check(self, block_size: int, temperature: float) -> None:
-        if block_size != self.head.block_size:
-            raise ValueError(f"the jump head was trained for block {self.head.block_size}; evaluate it at "
-                             f"eval.block_size={self.head.block_size}")
-        super().check(block_size, temperature)
-
-    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
-        self.check(hidden.shape[1], 0.0)
-        transition = None if self.selector is None else self.selector.transition
-        ids, work = head_path(cand_ids, cand_logits, hidden.float(), anchors, self.head, self.drafter, self.margin,
-                              transition)
-        return ids, float(work.float().mean())
-
-    def sample_path(self, logits, hidden, anchor, temperature, generator):
-        self.check(hidden.shape[1], temperature)
+    def guide(self, cand_ids, cand_logits, hidden, anchors, transition):
+        return head_path(cand_ids, cand_logits, hidden, anchors, self.head, self.drafter, self.margin, transition)
 
 
 def load_jump_head(folder: Path, drafter, selector: PairSelector | None = None) -> JumpHeadMethod:
     """The jump_head method of an export written by JumpHeadComponent.export (safetensors + config.json only); with a
     selector, the gaps between fixed tokens are its best path from both neighbours."""
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config, tensors = read_export(folder, PREFIX)
     dc = config["dflash_config"]
-    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
-               if k.startswith(PREFIX)}
     head = SeparateJumpHead(config["hidden_size"], config["block_size"], dc["jump_head_offsets"],
                             dc["jump_head_num_heads"], dc["jump_head_intermediate_size"], config["rms_norm_eps"])
     head.load_state_dict(tensors, strict=True)

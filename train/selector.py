@@ -11,12 +11,10 @@ selector_viterbi, the exact best path, is greedy only (its sampled form would be
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.eval.decode import ChainMethod
@@ -24,7 +22,7 @@ from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.eval.policies import MiddleOutMethod
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.train.catalogue import EvalMethod
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, read_export
 
 PREFIX = "candidate_selector."
 
@@ -85,10 +83,8 @@ class SelectorComponent(FrozenDrafterComponent):
 
 def load_selector(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> PairSelector:
     """The selector of an export written by SelectorComponent.export (safetensors + config.json only)."""
-    config = json.loads((Path(folder) / "config.json").read_text())
+    config, tensors = read_export(folder, PREFIX)
     dc = config["dflash_config"]
-    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
-               if k.startswith(PREFIX)}
     selector = PairSelector(config["vocab_size"], config["hidden_size"], dc["selector_rank"], dc["selector_top_k"])
     selector.load_state_dict(tensors, strict=True)
     return selector.to(device=device, dtype=dtype).eval()

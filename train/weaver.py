@@ -14,14 +14,12 @@ shape under `weaver` in `dflash_config`. Eval method: weaver_tree, one per node 
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.data.splits import anchor_generators
@@ -31,7 +29,7 @@ from dflash_pipeline.models.generation import capture
 from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
 from dflash_pipeline.train.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, read_export
 
 PREFIX = "weaver."
 log = logging.getLogger(__name__)
@@ -168,9 +166,7 @@ class WeaverComponent(FrozenDrafterComponent):
 
 def load_weaver(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> Weaver:
     """The Weaver of an export written by WeaverComponent.export (safetensors + config.json only)."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    tensors = {k[len(PREFIX):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
-               if k.startswith(PREFIX)}
+    config, tensors = read_export(folder, PREFIX)
     weaver = Weaver(**config["dflash_config"]["weaver"])
     weaver.load_state_dict(tensors, strict=True)
     return weaver.to(device=device, dtype=dtype).eval()
