@@ -18,6 +18,7 @@ from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.component import StageInputs, loop_settings
 from dflash_pipeline.train.errors import TrainError
@@ -115,6 +116,30 @@ class FrozenDrafterComponent:
 
     def heldout_items(self) -> list[dict]:
         return [self.data[i] for i in self.heldout_idx]
+
+    # -- metrics ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def summed(stats: list[dict]) -> dict[str, float]:
+        """The micro-batches' stats of a logging window added up (each component's train_metrics divides them)."""
+        return {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+
+    def heldout_metrics(self, model, methods_of) -> dict:
+        """Teacher-forced metrics on the held-out sequences of the methods `methods_of(bare model in eval mode)`
+        builds ({name: method}), beside the chain's; the model's train/eval mode is restored after."""
+        own = getattr(model, "module", model)
+        was_training = own.training
+        own.eval()
+        try:
+            return offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
+                                   methods=methods_of(own))
+        finally:
+            own.train(was_training)
+
+    def method_summary(self, m: dict, name: str) -> dict:
+        """What a component's held-out evaluation reports of its method `name`: a_k, tau_offline, and the chain's
+        and the oracle's tau on the same blocks."""
+        return {"a_k": m["methods"][name]["a_k"], "tau_offline": m["methods"][name]["tau_offline"],
+                "chain_tau_offline": m["tau_offline"], "oracle_tau": m["oracle_tau"][str(self.own.top_k)]}
 
     # -- export ----------------------------------------------------------------------------------------------
     def export_with_drafter(self, folder: Path, tensors: dict[str, torch.Tensor], dflash_config: dict,

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.train.catalogue import EvalMethod
@@ -70,22 +69,17 @@ class JumpComponent(FrozenDrafterComponent):
                          b["valid"][:, at], weight=self.own.weight, position_weights=weights, **teacher)
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        total = self.summed(stats)
         seen = total["scored"] + total["skipped"]
         return {"candidate_recall": total["scored"] / max(1.0, seen),
                 "jump_acc": total["correct"] / max(1.0, total["scored"]),
                 "marginal_acc": total["correct_marginal"] / max(1.0, total["scored"])}
 
     def evaluate(self, model) -> dict:
-        heads = getattr(model, "module", model)
-        was_training = heads.training
-        heads.eval()
-        method = JumpMethod(self.drafter, heads, self.own.margin, self.own.weight, self.own.top_k)
-        m = offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
-                            methods={"jump": method})
-        heads.train(was_training)
-        return {"a_k": m["methods"]["jump"]["a_k"], "tau_offline": m["methods"]["jump"]["tau_offline"],
-                "chain_tau_offline": m["tau_offline"], "oracle_tau": m["oracle_tau"][str(self.own.top_k)]}
+        o = self.own
+        m = self.heldout_metrics(model, lambda heads: {"jump": JumpMethod(self.drafter, heads, o.margin, o.weight,
+                                                                          o.top_k)})
+        return self.method_summary(m, "jump")
 
     def export(self, model, folder: Path) -> Path:
         heads = getattr(model, "module", model)

@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 
 from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.jump import default_offsets
 from dflash_pipeline.models.jump_head import SeparateJumpHead, head_path, jump_head_loss
 from dflash_pipeline.models.selector import PairSelector
@@ -71,22 +70,16 @@ class JumpHeadComponent(FrozenDrafterComponent):
                               marginal_ids=b["cand_ids"][:, at, 0])
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        total = self.summed(stats)
         seen = total["scored"] + total["skipped"]
         return {"vocab_coverage": total["scored"] / max(1.0, seen),
                 "head_acc": total["correct"] / max(1.0, total["scored"]),
                 "marginal_acc": total["correct_marginal"] / max(1.0, total["scored"])}
 
     def evaluate(self, model) -> dict:
-        head = getattr(model, "module", model)
-        was_training = head.training
-        head.eval()
-        method = JumpHeadMethod(self.drafter, head, self.own.margin, self.own.top_k)
-        m = offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
-                            methods={"jump_head": method})
-        head.train(was_training)
-        return {"a_k": m["methods"]["jump_head"]["a_k"], "tau_offline": m["methods"]["jump_head"]["tau_offline"],
-                "chain_tau_offline": m["tau_offline"], "oracle_tau": m["oracle_tau"][str(self.own.top_k)]}
+        m = self.heldout_metrics(model, lambda head: {"jump_head": JumpHeadMethod(self.drafter, head, self.own.margin,
+                                                                                  self.own.top_k)})
+        return self.method_summary(m, "jump_head")
 
     def export(self, model, folder: Path) -> Path:
         head = getattr(model, "module", model)

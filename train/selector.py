@@ -18,7 +18,6 @@ import torch
 
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.eval.decode import ChainMethod
-from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.eval.policies import MiddleOutMethod
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.train.catalogue import EvalMethod
@@ -53,7 +52,7 @@ class SelectorComponent(FrozenDrafterComponent):
                              batch["labels"], batch["valid"], self.position_weights(batch))
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        total = self.summed(stats)
         seen = total["scored"] + total["skipped"]
         return {"candidate_recall": total["scored"] / max(1.0, seen),
                 "selector_acc": total["selector_correct"] / max(1.0, total["scored"]),
@@ -62,17 +61,10 @@ class SelectorComponent(FrozenDrafterComponent):
     def evaluate(self, model) -> dict:
         """Teacher-forced on the held-out sequences: the greedy and Viterbi paths against the chain's and the
         oracle's (any choice among the top-K)."""
-        selector = getattr(model, "module", model)
-        was_training = selector.training
-        selector.eval()
-        methods = {f"selector_{how}": SelectorMethod(self.drafter, selector, how) for how in ("greedy", "viterbi")}
-        m = offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
-                            methods=methods)
-        selector.train(was_training)
-        greedy = m["methods"]["selector_greedy"]
-        return {"a_k": greedy["a_k"], "tau_offline": greedy["tau_offline"],
-                "viterbi_tau_offline": m["methods"]["selector_viterbi"]["tau_offline"],
-                "chain_tau_offline": m["tau_offline"], "oracle_tau": m["oracle_tau"][str(self.own.top_k)]}
+        m = self.heldout_metrics(model, lambda selector: {f"selector_{how}": SelectorMethod(self.drafter, selector, how)
+                                                          for how in ("greedy", "viterbi")})
+        return {**self.method_summary(m, "selector_greedy"),
+                "viterbi_tau_offline": m["methods"]["selector_viterbi"]["tau_offline"]}
 
     def export(self, model, folder: Path) -> Path:
         selector = getattr(model, "module", model)

@@ -111,7 +111,7 @@ class WeaverComponent(FrozenDrafterComponent):
                            tv_weight=self.own.tv_weight)
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+        total = self.summed(stats)
         return {"pool_miss": 1 - total["in_pool"] / max(1.0, total["positions"]),
                 "weaver_acc": total["correct"] / max(1.0, total["in_pool"]),
                 "ce_in_pool": total["ce_sum"] / max(1.0, total["in_pool"])}
