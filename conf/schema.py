@@ -272,7 +272,7 @@ class EvalConfig:
     temperature: float = ranged(0.0, ge=0.0)  # 0: greedy (outputs must equal autoregressive decoding); >0: sampling
     seed: int = 0  # sampling generators (temperature > 0)
     drafter_dir: Optional[str] = None  # an exported drafter folder; None: <run dir>/<trainer.out_dir>/export
-    methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # eval/decode.py METHODS
+    methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # the components' METHODS (train/catalogue.py)
     recall_k: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [1, 4, 16])  # offline Recall@K
     # node budgets (excluding the root) of the tree methods (ddtree, weaver_tree): each is evaluated per budget
     tree_budgets: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [16, 32, 64])
