@@ -286,9 +286,10 @@ class EvalConfig:
     # says how 0.5 was measured); float32: never
     near_tie_tolerance: float = ranged(0.5, ge=0.0)
     # plain autoregressive decoding is also timed in these dtypes (besides the target's own) in the same passes,
-    # and speedup_vs_fastest_ar divides by the fastest: on a CPU bf16 is not always the faster one. []: the
+    # and speedup_vs_fastest_ar divides by the fastest: on a CPU bf16 is not always the faster one. None: float32
+    # and bfloat16 on a CPU, the target's own dtype alone on a GPU (a copy per dtype costs its memory); []: the
     # target's dtype only
-    baseline_dtypes: list[DType] = field(default_factory=lambda: [DType.float32, DType.bfloat16])
+    baseline_dtypes: Optional[list[DType]] = None
     # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1
     # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval
     # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).

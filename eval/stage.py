@@ -461,7 +461,9 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         raise EvalError(f"eval.block_size={B} must be in 2 .. {trained_B} (the trained block size)")
     layer_ids = list(drafter.config.target_layer_ids)
     judge = ExactnessJudge(target.model, e.near_tie_tolerance)
-    baselines = baseline_models(target, [str(d) for d in e.baseline_dtypes], judge)
+    dtypes = e.baseline_dtypes if e.baseline_dtypes is not None else \
+        ([] if device.type == "cuda" else ["float32", "bfloat16"])
+    baselines = baseline_models(target, [str(d) for d in dtypes], judge)
     methods = load_methods(cfg, drafter, train_dir, component_dirs, drafter_dir)
     for name, method in methods.items():
         try:
