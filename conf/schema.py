@@ -18,7 +18,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from dflash_pipeline.train.catalogue import COMPONENTS
+from dflash_pipeline.conf.catalogue import COMPONENTS
 
 
 class Choice(str, Enum):
@@ -78,7 +78,7 @@ class Attention(Choice):
     sdpa = "sdpa"
 
 
-# The trainable components of train/catalogue.py (a plain table: importing it loads no component).
+# The trainable components of conf/catalogue.py (a plain table: importing it loads no component).
 Component = Choice("Component", {name: name for name in COMPONENTS})
 
 
@@ -272,7 +272,7 @@ class EvalConfig:
     temperature: float = ranged(0.0, ge=0.0)  # 0: greedy (outputs must equal autoregressive decoding); >0: sampling
     seed: int = 0  # sampling generators (temperature > 0)
     drafter_dir: Optional[str] = None  # an exported drafter folder; None: <run dir>/<trainer.out_dir>/export
-    methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # the components' METHODS (train/catalogue.py)
+    methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # the components' METHODS (conf/catalogue.py)
     recall_k: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [1, 4, 16])  # offline Recall@K
     # node budgets (excluding the root) of the tree methods (ddtree, weaver_tree): each is evaluated per budget
     tree_budgets: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [16, 32, 64])
@@ -299,7 +299,7 @@ class EvalConfig:
 
 @dataclass
 class LoggerConfig:
-    """Run logging (train/logger.py): wandb or none; metrics.jsonl is always written."""
+    """Run logging (conf/logger.py): wandb or none; metrics.jsonl is always written."""
 
     kind: LoggerKind = LoggerKind.wandb
     project: str = "dflash"
@@ -335,7 +335,7 @@ class Config:
 @functools.cache
 def root_config() -> type:
     """The root schema: Config plus a section for every component that brings its own config (conf/<component>/)."""
-    from dflash_pipeline.train import catalogue
+    from dflash_pipeline.conf import catalogue
 
     sections = [(name, cls, field(default_factory=cls)) for name, cls in catalogue.config_classes().items()]
     return dataclasses.make_dataclass("RootConfig", sections, bases=(Config,))
@@ -358,7 +358,7 @@ def check_config(cfg: DictConfig) -> None:
                 problems.append(f"{prefix}{f.name}={shown} {problem}")
 
     walk(root_config(), cfg, "")
-    from dflash_pipeline.train import catalogue
+    from dflash_pipeline.conf import catalogue
 
     unknown = [m for m in cfg.eval.methods if m not in catalogue.methods()]
     if unknown:
@@ -406,7 +406,7 @@ def job_dirname(overrides: str, limit: int = 200) -> str:
 
 
 def root_config_groups() -> list[tuple[str, type]]:
-    from dflash_pipeline.train import catalogue
+    from dflash_pipeline.conf import catalogue
 
     return list(catalogue.config_classes().items())
 

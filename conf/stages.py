@@ -27,9 +27,9 @@ def train_stage(component: str) -> str:
 
 def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
     """The config sections a stage's output depends on, by construction: its own sections plus those of every stage
-    it reads (a component declares both in its module, train/catalogue.py), so a stage is never reused for a
+    it reads (a component declares both in its module, conf/catalogue.py), so a stage is never reused for a
     config that differs anywhere upstream."""
-    from dflash_pipeline.train import catalogue
+    from dflash_pipeline.conf import catalogue
 
     if stage == "teacher":
         return list(TEACHER_SECTIONS)

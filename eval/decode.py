@@ -9,7 +9,7 @@ Speculative round (docs/metrics.md, 'The speculative round'), with L = the numbe
   commit    anchor + accepted drafts become context (their features come from this verify forward); the target's
             token after the accepted prefix is the next anchor; the target KV cache is cropped to the new L.
 
-Methods come from the components of train/catalogue.py (each module's METHODS). A block method is a ChainMethod
+Methods come from the components of conf/catalogue.py (each module's METHODS). A block method is a ChainMethod
 whose `path` chooses the drafts among the drafter's top-K candidates (the chain: each position's argmax); the same
 `path` gives its teacher-forced (offline) metrics. A path may verify fewer drafts than the block holds: it marks the
 unverified tail NOT_VERIFIED (policies of eval/policies.py), and a round then verifies [anchor, leading drafts].

@@ -42,8 +42,8 @@ from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target, load_target, torch_dtype
 from dflash_pipeline.data.splits import split_heldout, step_seed
-from dflash_pipeline.train import catalogue
-from dflash_pipeline.train.logger import RunLogger
+from dflash_pipeline.conf import catalogue
+from dflash_pipeline.conf.logger import RunLogger
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dflash_pipeline.eval.decode import speculative
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.models.target import load_target
-from dflash_pipeline.train import catalogue
+from dflash_pipeline.conf import catalogue
 from dflash_pipeline.train.loop import run_train
 from dflash_pipeline.train.selector import SelectorMethod
 

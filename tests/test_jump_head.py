@@ -283,7 +283,7 @@ def tiny_component(tiny_teacher, tmp_path_factory):
 
 
 def test_component_export_round_trip_gives_identical_drafts(tiny_component, tmp_path):
-    from dflash_pipeline.train import catalogue
+    from dflash_pipeline.conf import catalogue
 
     comp = tiny_component
     batch = comp.batch(comp.step_items(0), 0)

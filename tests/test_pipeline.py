@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from dflash_pipeline.conf.entrypoints import run_stages
 from dflash_pipeline.eval.stage import EvalError, run_eval
-from dflash_pipeline.train import catalogue
+from dflash_pipeline.conf import catalogue
 
 from conftest import make_config
 

@@ -23,7 +23,7 @@ from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target
-from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import block_loss, default_gamma, effective_valid, normaliser
@@ -249,7 +249,7 @@ class DrafterComponent:
         return folder
 
 
-# The catalogue entry (train/catalogue.py): configured by the drafter and trainer sections, trained on the teacher
+# The catalogue entry (conf/catalogue.py): configured by the drafter and trainer sections, trained on the teacher
 # data, drafting with the chain method.
 CONFIG = None
 SECTIONS = ("drafter", "trainer")

@@ -17,7 +17,7 @@ import torch
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
 from dflash_pipeline.models.selector import PairSelector
-from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
     read_export
@@ -116,7 +116,7 @@ def load_jump(folder: Path, drafter, selector: PairSelector | None = None) -> Ju
     return JumpMethod(drafter, heads, dc["jump_margin"], dc["jump_weight"], dc["jump_top_k"], selector)
 
 
-# The catalogue entry (train/catalogue.py).
+# The catalogue entry (conf/catalogue.py).
 CONFIG = JumpConfig
 SECTIONS = ("jump",)
 INPUTS = ("teacher", "drafter")

@@ -21,7 +21,7 @@ from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.models.jump import default_offsets
 from dflash_pipeline.models.jump_head import SeparateJumpHead, head_path, jump_head_loss
 from dflash_pipeline.models.selector import PairSelector
-from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
     read_export
@@ -116,7 +116,7 @@ def load_jump_head(folder: Path, drafter, selector: PairSelector | None = None) 
     return JumpHeadMethod(drafter, head, dc["jump_head_margin"], dc["jump_head_top_k"], selector)
 
 
-# The catalogue entry (train/catalogue.py).
+# The catalogue entry (conf/catalogue.py).
 CONFIG = JumpHeadConfig
 SECTIONS = ("jump_head",)
 INPUTS = ("teacher", "drafter")

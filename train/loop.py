@@ -1,4 +1,4 @@
-"""The one training loop. A component of train/catalogue.py brings its model, its batches, its loss and its metrics
+"""The one training loop. A component of conf/catalogue.py brings its model, its batches, its loss and its metrics
 (the `train.component.TrainingComponent` protocol); the loop owns accelerate, the optimizer and schedule,
 checkpoints, resume, logging, progress and the export call, and reads nothing of a component's batches or metrics.
 
@@ -24,10 +24,10 @@ from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.conf.stages import config_hash, recorded_hash, train_stage
 from dflash_pipeline.data.files import follow_umask
-from dflash_pipeline.train import catalogue
+from dflash_pipeline.conf import catalogue
 from dflash_pipeline.train.component import StageInputs, TrainingComponent
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.logger import RunLogger
+from dflash_pipeline.conf.logger import RunLogger
 
 log = logging.getLogger(__name__)
 

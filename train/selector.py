@@ -20,7 +20,7 @@ from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.eval.decode import ChainMethod
 from dflash_pipeline.eval.policies import MiddleOutMethod
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
-from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, read_export
 
 PREFIX = "candidate_selector."
@@ -114,7 +114,7 @@ def _middle_out(boltzmann: bool) -> EvalMethod:
         m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device), m.policy, boltzmann))
 
 
-# The catalogue entry (train/catalogue.py).
+# The catalogue entry (conf/catalogue.py).
 CONFIG = SelectorConfig
 SECTIONS = ("selector",)
 INPUTS = ("teacher", "drafter")

@@ -27,7 +27,7 @@ from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
 from dflash_pipeline.eval.tree import TreeMethod, build_tree, ddtree_of_logits, walk
 from dflash_pipeline.models.generation import capture
 from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
-from dflash_pipeline.train.catalogue import EvalMethod
+from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, read_export
 
@@ -208,7 +208,7 @@ class WeaverTreeMethod(TreeMethod):
         return weaver_tree(self.weaver, self.drafter, verifier_hidden, hidden, anchor, self.budget, self.children)
 
 
-# The catalogue entry (train/catalogue.py).
+# The catalogue entry (conf/catalogue.py).
 CONFIG = WeaverConfig
 SECTIONS = ("weaver",)
 INPUTS = ("teacher", "drafter")
