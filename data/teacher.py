@@ -245,8 +245,9 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
                 raise DatasetError(f"{out}/plan.json lists other samples than this config selects; delete the folder")
             if started.get("target_dtype", target.dtype) != target.dtype:  # target.dtype=auto on another machine
                 raise DatasetError(f"{out} was started with a {started['target_dtype']} target, this machine runs it "
-                                   f"in {target.dtype} (target.dtype=auto decides per machine): finish it where the target runs in "
-                                   f"{started['target_dtype']}, or start another folder with an explicit target.dtype")
+                                   f"in {target.dtype} (target.dtype=auto decides per machine): finish it where the "
+                                   f"target runs in {started['target_dtype']}, or start another folder with an "
+                                   "explicit target.dtype")
     state.wait_for_everyone()
 
     mine = [k for k in range(len(shards)) if k % state.num_processes == state.process_index]

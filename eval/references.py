@@ -19,8 +19,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.models.generation import generate
@@ -50,8 +48,7 @@ class ReferenceCache:
         self.generated = self.reused = 0
 
     def key(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
-        dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
-        return {"target": self.target.ref, "fingerprint": self.fingerprint, "dtype": dtype,
+        return {"target": self.target.ref, "fingerprint": self.fingerprint, "dtype": self.target.dtype,
                 "prompt_sha256": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
                 "prompt_tokens": len(prompt_ids), "max_new_tokens": max_new_tokens}
 

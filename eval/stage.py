@@ -268,7 +268,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "outputs_compared": 3 * len(prompts) * repeats if temperature <= 0 else 0,
         "near_tie_outputs": len(near_ties),
         "identical": (not mismatches and not near_ties) if temperature <= 0 else None,
-        "target_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "target_dtype": target.dtype,
         "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
     }
     # the baseline a user compares with: the fastest plain decoding on the machine, in any dtype timed
