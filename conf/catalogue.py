@@ -6,7 +6,7 @@ A component is one module (train/<name>.py) that declares, at module level:
   SECTIONS   the config sections of its own that its stage's output depends on (the stage hash adds its inputs')
   COMPONENT  its training component, a class following `train.component.TrainingComponent`
   METHODS    the eval methods it brings: {name: EvalMethod}, each made from MethodInputs (its component's config
-             included; see eval/decode.py for what a method does)
+             included; eval/protocol.py says what a method does)
   INPUTS     the stages it trains on: ("teacher",) for the drafter; ("teacher", "drafter") for a component trained on
              a frozen drafter, which gets a stage of its own, train/<name>/ in the run folder
 Adding a component touches its module, its config group (conf/<name>/default.yaml and its line in conf/config.yaml's
@@ -88,24 +88,3 @@ def evaluated_names(names, budgets) -> dict[str, tuple[str, int | None]]:
         else:
             out[name] = (name, None)
     return out
-
-
-def make_method(name: str, drafter, exports: dict[str, Path] | None = None, policy=None, budget: int | None = None,
-                config=None):
-    """An eval method of the catalogue on `drafter`, with the export folders of the components it uses, the
-    eval.policy settings and its component's config section (defaults of each when not given); a tree method with
-    its node budget."""
-    if name not in methods():
-        raise KeyError(f"unknown eval method {name!r}; available: {', '.join(sorted(methods()))}")
-    owner, entry = methods()[name]
-    if policy is None or (config is None and module(owner).CONFIG is not None):
-        from omegaconf import OmegaConf
-
-        from dflash_pipeline.conf.schema import PolicyConfig
-
-        policy = OmegaConf.structured(PolicyConfig) if policy is None else policy
-        if config is None and module(owner).CONFIG is not None:
-            config = OmegaConf.structured(module(owner).CONFIG)
-    if entry.tree and budget is None:
-        raise ValueError(f"{name} is a tree method: give it a node budget")
-    return entry.make(MethodInputs(drafter, dict(exports or {}), policy, config, budget))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipeline.data.blocks import pack_blocks
-from dflash_pipeline.eval.decode import CONTEXT, NOT_VERIFIED
+from dflash_pipeline.eval.protocol import CONTEXT, NOT_VERIFIED
 
 if TYPE_CHECKING:
     from dflash_pipeline.conf.progress import Progress
@@ -139,7 +139,7 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
                     subset: int | None = None) -> dict:
     """Teacher-forced a_k, Recall@K, oracle tau@K and tau_offline over every anchor of `items` (input_ids,
     loss_mask, features): the drafter's own argmax path, and under "methods" the path each eval method would propose
-    from the same drafter outputs (`methods`: {name: method with top_k and path(), eval/decode.py}), with the
+    from the same drafter outputs (`methods`: {name: method with top_k and path(), eval/protocol.py}), with the
     histogram of drafts it would verify per block (verified_hist[v]: blocks verifying v drafts).
 
     Blocks of `block_size` (<= the trained size). A label outside a draft vocabulary counts as a miss.

@@ -1,5 +1,5 @@
 """Decoding policies: how a speculative round chooses its drafts and how many of them it verifies, on top of a
-trained drafter (and, for MOBS/BMOBS, the pair selector). Each policy is an eval method (eval/decode.py ChainMethod),
+trained drafter (and, for MOBS/BMOBS, the pair selector). Each policy is an eval method (eval/protocol.py ChainMethod),
 registered in the catalogue by the component whose outputs it reads (train/drafter.py, train/selector.py), and
 reported like every other method: exact against greedy decoding, with offline and online acceptance and speed.
 
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash_pipeline.eval.decode import NOT_VERIFIED, ChainMethod, Proposal, RoundState, _sync, crop_cache, \
+from dflash_pipeline.eval.protocol import NOT_VERIFIED, ChainMethod, Proposal, RoundState, crop_cache, sync, \
     target_forward
 from dflash_pipeline.eval.metrics import offline_metrics
+from dflash_pipeline.eval.tree import DraftTree, verify_tree
 from dflash_pipeline.models.selector import PairSelector
 
 MIN_TEMPERATURE_FRACTION = 0.02  # T_i never drops below 2% of T (a huge margin would otherwise divide by ~0)
@@ -79,7 +80,6 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     step, so a spell of a slower machine cancels out. Verification is timed as the eval loop runs it (hidden states out,
     cache cropped after); ar_step_cost is a plain decoding step as autoregressive() runs it (no hidden states) in
     the same unit, the baseline a speedup is measured against."""
-    from dflash_pipeline.eval.tree import DraftTree, verify_tree
 
     model = target.model
     device = next(model.parameters()).device
@@ -106,33 +106,33 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     ar_step: list[float] = []
     ids = torch.full((1, block_size), anchor, device=device)  # any tokens: only the time is kept
     for r in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()  # a plain decoding step as autoregressive() runs it: no hidden states out
         model(input_ids=ids[:, :1], position_ids=torch.tensor([[L]], device=device), cache=cache, use_cache=True)
         crop_cache(cache, L)
-        _sync(device)
+        sync(device)
         if r:
             ar_step.append(time.perf_counter() - t0)
         for n in range(1, block_size + 1):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             target_forward(model, ids[:, :n], torch.arange(L, L + n, device=device)[None], cache, layer_ids)
             crop_cache(cache, L)
-            _sync(device)
+            sync(device)
             if r:
                 times[n].append(time.perf_counter() - t0)
         for N, tree in trees.items():
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             verify_tree(model, cache, L, anchor, tree, layer_ids)
             crop_cache(cache, L)
-            _sync(device)
+            sync(device)
             if r:
                 tree_times[N].append(time.perf_counter() - t0)
         one = RoundState(feats[None, -1:], torch.tensor([L - 1 + r], device=device), anchor, L + r, [anchor])
         t0 = time.perf_counter()
         chain.propose(one, block_size)  # one committed token enters the drafter's context, as in a round
-        _sync(device)
+        sync(device)
         if r:
             draft.append(time.perf_counter() - t0)
     step = times[1]

@@ -23,10 +23,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dflash_pipeline.conf.progress import Progress
-from dflash_pipeline.conf.schema import check_config
+from dflash_pipeline.conf.schema import PolicyConfig, check_config
 from dflash_pipeline.conf.stages import config_hash, recorded_hash
 from dflash_pipeline.data.files import write_json, write_text
 from dflash_pipeline.data.shards import TeacherDataset
@@ -343,6 +343,23 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_
     return out
 
 
+def make_method(name: str, drafter, exports: dict[str, Path] | None = None, policy=None, budget: int | None = None,
+                config=None):
+    """An eval method of the catalogue on `drafter`, with the export folders of the components it uses, the
+    eval.policy settings and its component's config section (defaults of each when not given); a tree method with
+    its node budget."""
+    if name not in catalogue.methods():
+        raise KeyError(f"unknown eval method {name!r}; available: {', '.join(sorted(catalogue.methods()))}")
+    owner, entry = catalogue.methods()[name]
+    own = catalogue.module(owner).CONFIG
+    policy = OmegaConf.structured(PolicyConfig) if policy is None else policy
+    if config is None and own is not None:
+        config = OmegaConf.structured(own)
+    if entry.tree and budget is None:
+        raise ValueError(f"{name} is a tree method: give it a node budget")
+    return entry.make(catalogue.MethodInputs(drafter, dict(exports or {}), policy, config, budget))
+
+
 def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, component_dirs: dict[str, Path],
                  drafter_dir: Path | None = None) -> dict:
     """{name: method} for eval.methods, each on the drafter with its component's trained export (refused when that
@@ -364,7 +381,7 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
                 checked.add(component)
         try:
             owner = catalogue.methods()[base][0]
-            methods[name] = catalogue.make_method(base, drafter, exports, cfg.eval.policy, budget,
+            methods[name] = make_method(base, drafter, exports, cfg.eval.policy, budget,
                                                   cfg.get(owner) if catalogue.module(owner).CONFIG else None)
         except ValueError as err:  # exports that do not fit together
             raise EvalError(f"eval method {name}: {err}") from err

@@ -22,7 +22,9 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from dflash_pipeline.eval.decode import ChainMethod, Proposal, RoundState, _sync
+from dflash_pipeline.data.blocks import pack_blocks
+from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
+from dflash_pipeline.eval.protocol import ChainMethod, Proposal, RoundState, sync
 
 DENSE_MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that honour a custom 4D float mask
 
@@ -124,7 +126,7 @@ def verify_tree(model, cache: DynamicCache, L: int, anchor: int, tree: DraftTree
     """One target forward over [anchor, tree nodes] on `cache` (holding exactly the L tokens before the anchor),
     greedy acceptance, and cache compaction: afterwards the cache holds L + 1 + accepted tokens.
 
-    features are those of target_forward (eval/decode.py): hidden_states[i + 1] for i in layer_ids, concatenated;
+    features are those of target_forward (eval/protocol.py): hidden_states[i + 1] for i in layer_ids, concatenated;
     final: hidden_states[-1], the rows the LM head reads (a drafter conditioned on the verifier's state needs it).
     """
     impl = model.config._attn_implementation
@@ -284,10 +286,10 @@ class TreeMethod(ChainMethod):
                 generator: torch.Generator | None = None) -> Proposal:
         device = self.drafter.norm.weight.device
         hidden = self.block_hidden(state, block_size)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         tree = self.tree(hidden[0], state.verifier_hidden, state.anchor)
-        _sync(device)
+        sync(device)
         return Proposal(tree.tokens, select_s=time.perf_counter() - t0, tree=tree)
 
 
@@ -308,9 +310,6 @@ def tree_offline_metrics(drafter, items: list[dict], block_size: int, methods: d
     """Teacher-forced acceptance of tree methods: at every anchor of `items` (with `final_hidden`), the tree each
     method builds from the drafter's block, walked along the true tokens. Returns per method a_k (per depth),
     tau_offline (1 + mean accepted) and nodes_per_block."""
-    from dflash_pipeline.data.blocks import pack_blocks
-    from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
-
     device = drafter.norm.weight.device
     accepted: dict[str, list[int]] = {m: [] for m in methods}
     nodes: dict[str, int] = {m: 0 for m in methods}

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from dflash_pipeline.conf.schema import PolicyConfig, register
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import chat_segments
-from dflash_pipeline.eval.decode import ChainMethod, autoregressive, speculative
+from dflash_pipeline.eval.decode import autoregressive, speculative
+from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.policies import AdaptiveMethod, EvalContext, measure_costs
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.target import load_target, resolve_layer_ids

@@ -19,7 +19,8 @@ import torch
 from hydra import compose, initialize_config_module
 
 from dflash_pipeline.conf.schema import register
-from dflash_pipeline.eval.decode import ChainMethod, autoregressive, speculative
+from dflash_pipeline.eval.decode import autoregressive, speculative
+from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, ExactnessJudge
 from dflash_pipeline.eval.policies import measure_costs
 from dflash_pipeline.eval.stage import decode_context, load_drafter, load_prompts

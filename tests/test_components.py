@@ -14,6 +14,7 @@ from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.models.target import load_target
 from dflash_pipeline.conf import catalogue
+from dflash_pipeline.eval.stage import make_method
 from dflash_pipeline.train.loop import run_train
 from dflash_pipeline.train.selector import SelectorMethod
 
@@ -57,14 +58,14 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
         exports = {} if name == "drafter" else {name: export}
         hidden = torch.randn(3, drafter.config.block_size, drafter.config.hidden_size)
         if entry.tree:  # a draft tree of the budget's size, no deeper than the block
-            tree = catalogue.make_method(method_name, drafter, exports, budget=6).tree(
+            tree = make_method(method_name, drafter, exports, budget=6).tree(
                 hidden[0], torch.randn(drafter.config.target_hidden_size), 1)
             assert len(tree) == 6 and int(tree.depths.max()) <= drafter.config.block_size - 1
             if catalogue.module(name).CONFIG is not None and "children" in cfg[name]:  # the method reads its config
-                assert catalogue.make_method(method_name, drafter, exports, budget=6,
+                assert make_method(method_name, drafter, exports, budget=6,
                                              config=make_config(f"{name}.children=3")[name]).children == 3
             continue
-        method = catalogue.make_method(method_name, drafter, exports)
+        method = make_method(method_name, drafter, exports)
         ids = torch.randint(0, drafter.config.vocab_size, (3, drafter.config.block_size - 1, method.top_k))
         tokens, _ = method.path(ids, torch.randn(ids.shape), hidden, torch.tensor([1, 2, 3]))
         assert tokens.shape == (3, drafter.config.block_size - 1)

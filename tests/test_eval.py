@@ -12,7 +12,8 @@ from transformers import DynamicCache
 from dflash_pipeline.conf.schema import ConfigError
 from dflash_pipeline.conf.stages import config_hash
 from dflash_pipeline.eval import decode
-from dflash_pipeline.eval.decode import Proposal, autoregressive, crop_cache, speculative
+from dflash_pipeline.eval.decode import autoregressive, speculative
+from dflash_pipeline.eval.protocol import Proposal, crop_cache
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, conditional_acceptance, offline_metrics, \
     recall_at_k, simulated_tau
 from dflash_pipeline.eval.exactness import ExactnessError

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from dflash_pipeline.eval.decode import ChainMethod, speculative
+from dflash_pipeline.eval.decode import speculative
+from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.drafter import drafter_config
 

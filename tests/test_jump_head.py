@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_pipeline.eval.decode import candidates
+from dflash_pipeline.eval.protocol import candidates
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, fill_gaps, guided_path
 from dflash_pipeline.models.jump_head import SeparateJumpHead, choose_head_anchors, head_logits, head_path, \
@@ -283,7 +283,7 @@ def tiny_component(tiny_teacher, tmp_path_factory):
 
 
 def test_component_export_round_trip_gives_identical_drafts(tiny_component, tmp_path):
-    from dflash_pipeline.conf import catalogue
+    from dflash_pipeline.eval.stage import make_method
 
     comp = tiny_component
     batch = comp.batch(comp.step_items(0), 0)
@@ -300,7 +300,7 @@ def test_component_export_round_trip_gives_identical_drafts(tiny_component, tmp_
         "jump_head_intermediate_size": 2 * hidden_size, "jump_head_top_k": 4}
     loaded = load_jump_head(folder, comp.drafter)
     assert loaded.margin == -1.0 and loaded.top_k == 4 and loaded.head.offsets == comp.offsets == [2]
-    made = catalogue.make_method("jump_head", comp.drafter, {"jump_head": folder})
+    made = make_method("jump_head", comp.drafter, {"jump_head": folder})
     selector = PairSelector(comp.drafter.config.vocab_size, comp.drafter.config.hidden_size, rank=8, top_k=4)
     with torch.no_grad():
         selector.successor_codebook.normal_()

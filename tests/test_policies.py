@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from dflash_pipeline.conf.schema import ConfigError, PolicyConfig, check_config
-from dflash_pipeline.eval.decode import NOT_VERIFIED, ChainMethod, autoregressive, speculative
+from dflash_pipeline.eval.decode import autoregressive, speculative
+from dflash_pipeline.eval.protocol import NOT_VERIFIED, ChainMethod
 from dflash_pipeline.eval.policies import (ActMethod, AdaptiveMethod, BoltzmannMethod, EvalContext, MiddleOutMethod,
                                            best_length, boltzmann_scores, gated_length, measure_costs, middle_out)
 from dflash_pipeline.models.drafter import DFlashDrafter

@@ -37,7 +37,8 @@ class TrainingComponent(Protocol):
         """The batch's share of the loss normaliser, known before the forward (summed over processes)."""
 
     def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
-        """(loss SUM over the batch, stats): the loop divides by the global normaliser; stats go to train_metrics."""
+        """(loss SUM over the batch, stats): the loop divides by the global normaliser; stats go to train_metrics.
+        `model` is what accelerate prepared (a DDP wrapper on several processes): call it, so gradients sync."""
 
     def work(self, batch: Any) -> dict[str, int]:
         """Units of work in the batch (e.g. anchor blocks, context tokens): logged as <unit>_per_s."""
@@ -46,7 +47,8 @@ class TrainingComponent(Protocol):
         """Loggable training metrics from the stats of one step's micro-batches."""
 
     def evaluate(self, model: torch.nn.Module) -> dict:
-        """Held-out metrics (logged under "heldout"), with `tau_offline` for the path the component proposes."""
+        """Held-out metrics (logged under "heldout"), with `tau_offline` for the path the component proposes;
+        `model` is the component's own module (unwrapped by the loop), as in export."""
 
     def export(self, model: torch.nn.Module, folder: Path) -> Path:
         """Write the trained component where engines and the eval stage load it."""

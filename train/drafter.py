@@ -17,7 +17,7 @@ from dflash_pipeline.data.shards import DatasetError
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch, step_seed
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval import policies
-from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
@@ -224,9 +224,8 @@ class DrafterComponent:
         return {"train_a_k": a, "train_acc_k": acc}
 
     # -- evaluation ------------------------------------------------------------------------------------------
-    def evaluate(self, model, indices: list[int] | None = None) -> dict:
+    def evaluate(self, drafter, indices: list[int] | None = None) -> dict:
         """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K, tau_offline."""
-        drafter = getattr(model, "module", model)
         was_training = drafter.training
         drafter.eval()
         items = self.items(indices if indices is not None else self.heldout_idx)
@@ -235,10 +234,9 @@ class DrafterComponent:
         return result
 
     # -- export ----------------------------------------------------------------------------------------------
-    def export(self, model, folder: Path) -> Path:
+    def export(self, drafter, folder: Path) -> Path:
         """The engine format (docs/export.md: full vocabulary, or with trainer.draft_vocab_size the drafter's own
         lm_head over the draft vocabulary + d2t), plus where the target and teacher data came from."""
-        drafter = getattr(model, "module", model)
         drafter.save_pretrained(str(folder), extra_config={"dflash_pipeline": {
             "target": self.target.ref,
             "target_layer_ids": list(self.dconf.target_layer_ids),

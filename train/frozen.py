@@ -17,7 +17,7 @@ from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
-from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.component import StageInputs, loop_settings
@@ -124,16 +124,15 @@ class FrozenDrafterComponent:
         return {k: sum(float(s[k]) for s in stats) for k in stats[0]}
 
     def heldout_metrics(self, model, methods_of) -> dict:
-        """Teacher-forced metrics on the held-out sequences of the methods `methods_of(bare model in eval mode)`
+        """Teacher-forced metrics on the held-out sequences of the methods `methods_of(model in eval mode)`
         builds ({name: method}), beside the chain's; the model's train/eval mode is restored after."""
-        own = getattr(model, "module", model)
-        was_training = own.training
-        own.eval()
+        was_training = model.training
+        model.eval()
         try:
             return offline_metrics(self.drafter, self.heldout_items(), self.block_size, [1, self.own.top_k],
-                                   methods=methods_of(own))
+                                   methods=methods_of(model))
         finally:
-            own.train(was_training)
+            model.train(was_training)
 
     def method_summary(self, m: dict, name: str) -> dict:
         """What a component's held-out evaluation reports of its method `name`: a_k, tau_offline, and the chain's

@@ -81,8 +81,7 @@ class JumpComponent(FrozenDrafterComponent):
                                                                           o.top_k)})
         return self.method_summary(m, "jump")
 
-    def export(self, model, folder: Path) -> Path:
-        heads = getattr(model, "module", model)
+    def export(self, heads, folder: Path) -> Path:
         o = self.own
         return self.export_with_drafter(
             folder, {PREFIX + k: v for k, v in heads.state_dict().items()},

@@ -81,8 +81,7 @@ class JumpHeadComponent(FrozenDrafterComponent):
                                                                                   self.own.top_k)})
         return self.method_summary(m, "jump_head")
 
-    def export(self, model, folder: Path) -> Path:
-        head = getattr(model, "module", model)
+    def export(self, head, folder: Path) -> Path:
         return self.export_with_drafter(
             folder, {PREFIX + k: v for k, v in head.state_dict().items()},
             {"jump_head_offsets": head.offsets, "jump_head_margin": self.own.margin,

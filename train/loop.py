@@ -193,7 +193,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
                      metrics["lr"], metrics["grad_norm"], brief({**own_metrics, **rates}), bar.eta_text())
         if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
             if accelerator.is_main_process:
-                metrics["heldout"] = comp.evaluate(model)
+                metrics["heldout"] = comp.evaluate(accelerator.unwrap_model(model))
                 log.info("%sheld-out %s", prefix, brief(metrics["heldout"]))
             clock = time.perf_counter()
         logger.log(metrics, step + 1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.eval.decode import ChainMethod
+from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.policies import MiddleOutMethod
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.conf.catalogue import EvalMethod
@@ -66,8 +66,7 @@ class SelectorComponent(FrozenDrafterComponent):
         return {**self.method_summary(m, "selector_greedy"),
                 "viterbi_tau_offline": m["methods"]["selector_viterbi"]["tau_offline"]}
 
-    def export(self, model, folder: Path) -> Path:
-        selector = getattr(model, "module", model)
+    def export(self, selector, folder: Path) -> Path:
         tensors = {PREFIX + k: v for k, v in selector.state_dict().items()}
         return self.export_with_drafter(folder, tensors, selector.config_dict(),
                                         {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})

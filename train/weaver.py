@@ -118,11 +118,10 @@ class WeaverComponent(FrozenDrafterComponent):
 
     # -- held-out metrics ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, model) -> dict:
+    def evaluate(self, weaver) -> dict:
         """Teacher-forced on the held-out sequences (every anchor): the Weaver's greedy path (a_k, tau_offline)
         against the drafter's, how often the true token is outside the pool; and on the first eval_blocks blocks,
         the accepted length of the Weaver tree and of DDTree at eval_budget nodes, walked along the true tokens."""
-        weaver = getattr(model, "module", model)
         was_training = weaver.training
         weaver.eval()
         corrects, marginals, valids, hits, trees = [], [], [], [], {"weaver_tree": [], "ddtree": []}
@@ -156,8 +155,7 @@ class WeaverComponent(FrozenDrafterComponent):
             out[f"{name}_tau@{budget}"] = 1 + sum(accepted) / max(1, len(accepted))
         return out
 
-    def export(self, model, folder: Path) -> Path:
-        weaver = getattr(model, "module", model)
+    def export(self, weaver, folder: Path) -> Path:
         tensors = {PREFIX + k: v for k, v in weaver.state_dict().items()}
         return self.export_with_drafter(folder, tensors, {"weaver": weaver.config_dict()},
                                         {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps,
