@@ -130,6 +130,9 @@ class TinyTargetConfig:
     num_key_value_heads: int = ranged(2, ge=1)
     max_position_embeddings: int = ranged(2048, ge=1)
     init_seed: int = 0
+    # std of the random weights: 0.02 (transformers' default) decodes greedily into a one-token loop; ~0.1 gives an
+    # output that varies (tests/test_contract.py decodes on such a target)
+    initializer_range: float = ranged(0.02, gt=0.0)
 
 
 @dataclass

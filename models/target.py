@@ -162,6 +162,7 @@ def build_tiny(cfg, vocab_size: int, special: dict[str, int]) -> LlamaForCausalL
         num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         max_position_embeddings=t.max_position_embeddings,
+        initializer_range=t.initializer_range,
         tie_word_embeddings=True,
         **special,
     )
@@ -179,6 +180,8 @@ def load_target(cfg, cache_dir: str | Path) -> Target:
         special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         model = build_tiny(cfg, len(tokenizer), special).to(dtype)
         ref = f"tiny:{cfg.tiny.hidden_size}x{cfg.tiny.num_hidden_layers}:seed{cfg.tiny.init_seed}"
+        if cfg.tiny.initializer_range != 0.02:
+            ref += f":std{cfg.tiny.initializer_range:g}"
     else:
         src = resolve_pretrained(cfg.kind, cfg.path, cfg.gguf_file, cache_dir)
         try:

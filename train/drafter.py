@@ -29,6 +29,9 @@ from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import block_loss, default_gamma, effective_valid, normaliser
 
 log = logging.getLogger(__name__)
+# The K of the held-out Recall@K that training logs (eval.recall_k is the eval stage's: reading it here would tie
+# the training stage to an eval setting its hash does not cover)
+HELDOUT_RECALL_K = (1, 4, 16)
 
 
 def choose_mask_token(tokenizer, vocab_size: int) -> int:
@@ -225,11 +228,12 @@ class DrafterComponent:
 
     # -- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, drafter, indices: list[int] | None = None) -> dict:
-        """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K, tau_offline."""
+        """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K (K of HELDOUT_RECALL_K),
+        tau_offline."""
         was_training = drafter.training
         drafter.eval()
         items = self.items(indices if indices is not None else self.heldout_idx)
-        result = offline_metrics(drafter, items, self.block_size, list(self.cfg.eval.recall_k))
+        result = offline_metrics(drafter, items, self.block_size, list(HELDOUT_RECALL_K))
         drafter.train(was_training)
         return result
 
