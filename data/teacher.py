@@ -31,7 +31,7 @@ from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, write_shard
 from dflash_pipeline.data.sources import load_conversations
-from dflash_pipeline.models.generation import capture_batched, generate, topk_logprobs
+from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs
 from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,15 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
             counted[0] += part
             progress.update(part)
 
-        out = generate(target.model, [s["input_ids"] for s in todo], max_new_tokens=t.max_new_tokens,
-                       eos_ids=eos_ids, pad_id=tok.pad_token_id, temperature=t.temperature, top_p=t.top_p,
-                       generators=gens, on_step=on_step if progress else None, batch_size=t.batch_size,
-                       prefill_tokens=t.prefill_batch_tokens, taps=layer_ids)
-        replies, captured = out if layer_ids is not None else (out, [None] * len(todo))
+        settings = dict(max_new_tokens=t.max_new_tokens, eos_ids=eos_ids, pad_id=tok.pad_token_id,
+                        temperature=t.temperature, top_p=t.top_p, generators=gens,
+                        on_step=on_step if progress else None, batch_size=t.batch_size,
+                        prefill_tokens=t.prefill_batch_tokens)
+        prompts = [s["input_ids"] for s in todo]
+        if layer_ids is None:
+            replies, captured = generate(target.model, prompts, **settings), [None] * len(todo)
+        else:
+            replies, captured = generate_capturing(target.model, prompts, layer_ids, **settings)
         for s, r, c in zip(todo, replies, captured):
             s["input_ids"] += r
             s["loss_mask"] += [1] * len(r)

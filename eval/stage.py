@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,7 +33,7 @@ from dflash_pipeline.data.files import write_json, write_text
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.eval import report
-from dflash_pipeline.eval.decode import autoregressive, speculative
+from dflash_pipeline.eval.decode import SpecResult, autoregressive, speculative
 from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, NEAR_TIE, WRONG, ExactnessJudge, rounds_before
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, offline_metrics
 from dflash_pipeline.eval.policies import EvalContext, measure_costs
@@ -142,6 +143,80 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+@dataclass
+class Passes:
+    """The timed decodes of one prompt in one repeat, in the order they ran: AR, [other dtypes], spec, spec,
+    [other dtypes], AR."""
+
+    prompt: dict
+    repeat: int
+    ar: list[tuple[list[int], dict]]  # the two autoregressive runs: (tokens, timings)
+    spec: list[SpecResult]  # the two speculative runs
+    other: dict[str, list[tuple[float, float]]]  # per other dtype: (s per token, s per step) of its two runs
+    verified_upto: int | None = None  # greedy: where the first speculative run diverged at a near-tie
+
+
+def timed_passes(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
+                 temperature: float, seed: int, repeats: int, baselines: dict[str, torch.nn.Module]):
+    """Yields the Passes of every prompt and repeat (A F B B F A), after one warm-up of each kind on prompt 0."""
+    device = next(target.model.parameters()).device
+    others = {d: SimpleNamespace(model=m, eos_ids=target.eos_ids) for d, m in baselines.items()}
+    bar = Progress(f"eval {label} {method.name}", len(prompts), "prompt")
+    part = 1 / (4 * repeats)  # a prompt is done after repeats x (AR, spec, spec, AR)
+
+    def gen(*parts):
+        if temperature <= 0:
+            return None
+        return torch.Generator(device=device).manual_seed(step_seed(seed, label, *parts) % (2 ** 63))
+
+    def ar(i, run):
+        out = autoregressive(target, prompts[i]["prompt_ids"], max_new_tokens, temperature, gen(i, "ar", run))
+        bar.update(0 if run == "warmup" else part)
+        return out
+
+    def spec(i, run):
+        out = speculative(target, method, prompts[i]["prompt_ids"], max_new_tokens, block_size, temperature,
+                          gen(i, "spec", run))
+        bar.update(0 if run == "warmup" else part)
+        return out
+
+    def ar_in(dtype: str, i: int) -> tuple[float, float]:
+        """(s per token, s per decode step) of plain decoding of prompt i by the target in another dtype."""
+        tokens, t = autoregressive(others[dtype], prompts[i]["prompt_ids"], max_new_tokens, temperature,
+                                   gen(i, "ar", dtype))
+        return t["total_s"] / len(tokens), t["decode_s"] / max(1, len(tokens) - 1)
+
+    ar(0, "warmup"), spec(0, "warmup")
+    for d in others:
+        ar_in(d, 0)
+    for i, p in enumerate(prompts):
+        for r in range(repeats):
+            a1 = ar(i, 2 * r)
+            other = {d: [ar_in(d, i)] for d in others}
+            s1, s2 = spec(i, 2 * r), spec(i, 2 * r + 1)
+            for d in others:
+                other[d].append(ar_in(d, i))
+            a2 = ar(i, 2 * r + 1)
+            yield Passes(p, r, [a1, a2], [s1, s2], other)
+    bar.close()
+
+
+def check_passes(judge: ExactnessJudge, passes: Passes, strict: bool, near_ties: list, mismatches: list) -> None:
+    """Greedy: the second AR run and both speculative runs against the first AR run (eval/exactness.py), each
+    divergence recorded in near_ties or mismatches (raised when strict); a near-tie of the first speculative run in
+    the first repeat bounds the rounds its acceptance counts."""
+    p, reference = passes.prompt, passes.ar[0][0]
+    for what, other in (("the second autoregressive run", passes.ar[1][0]),
+                        ("speculative decoding", passes.spec[0].tokens),
+                        ("a repeated speculative run", passes.spec[1].tokens)):
+        v = judge.check(p["id"], p["prompt_ids"], reference, other, what, strict)
+        if v.kind in (NEAR_TIE, WRONG):
+            (near_ties if v.kind == NEAR_TIE else mismatches).append(
+                {"prompt": p["id"], "position": v.position, "run": what, "repeat": passes.repeat, **v.detail})
+        if passes.repeat == 0 and other is passes.spec[0].tokens and v.kind == NEAR_TIE:
+            passes.verified_upto = v.position
+
+
 def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True,
                costs: EvalContext | None = None, judge: ExactnessJudge | None = None,
@@ -155,90 +230,58 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     other dtypes ({dtype: model}, eval.baseline_dtypes), whose plain decoding is timed in the same passes
     (A F B B F A); speedups against the fastest autoregressive decoding of any dtype are reported beside.
     """
-    device = next(target.model.parameters()).device
     judge = judge or ExactnessJudge(target.model, DEFAULT_TOLERANCE)
-
-    def gen(*parts):
+    runs, near_ties, mismatches = [], [], []
+    for passes in timed_passes(target, method, prompts, label=label, block_size=block_size,
+                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, repeats=repeats,
+                               baselines=baselines or {}):
         if temperature <= 0:
-            return None
-        return torch.Generator(device=device).manual_seed(step_seed(seed, label, *parts) % (2 ** 63))
+            check_passes(judge, passes, strict, near_ties, mismatches)
+        runs.append(passes)
+    res = online_metrics(runs, block_size, temperature, target.dtype, costs)
+    res.update({"exact": (not mismatches) if temperature <= 0 else None,  # None: not defined when sampling
+                "mismatches": mismatches,  # wrong outputs (recorded with eval.strict_exact=false; raised otherwise)
+                # reduced precision: outputs that diverged at a near-tie (eval/exactness.py), and counts per kind
+                "near_ties": near_ties,
+                "outputs_compared": 3 * len(runs) if temperature <= 0 else 0,
+                "near_tie_outputs": len(near_ties),
+                "identical": (not mismatches and not near_ties) if temperature <= 0 else None})
+    log.info("%s %s: tau_online %.3f a_k %s speedup %.2fx (AR %.1f tok/s, spec %.1f tok/s), exact %s", method.name,
+             label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
+             res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
+    res["ar_outputs"] = [r.ar[0][0] for r in runs if r.repeat == 0]
+    return res
 
-    bar = Progress(f"eval {label} {method.name}", len(prompts), "prompt")
-    part = 1 / (4 * repeats)  # a prompt is done after repeats x (AR, spec, spec, AR)
 
-    def ar(i, run):
-        out = autoregressive(target, prompts[i]["prompt_ids"], max_new_tokens, temperature, gen(i, "ar", run))
-        bar.update(0 if run == "warmup" else part)
-        return out
+def online_metrics(runs: list[Passes], block_size: int, temperature: float, target_dtype: str,
+                   costs: EvalContext | None) -> dict:
+    """The online metrics of an eval set from its passes: acceptance over the first speculative run of the first
+    repeat of each prompt (up to a near-tie divergence), times as medians over every timed run."""
+    first = [r for r in runs if r.repeat == 0]
+    ars = [t for r in runs for _, t in r.ar]
+    ar_tokens = [tokens for r in runs for tokens, _ in r.ar]
+    specs = [s for r in runs for s in r.spec]
+    ar_s_per_tok = [t["total_s"] / len(tokens) for tokens, t in zip(ar_tokens, ars)]
+    ar_decode = [t["decode_s"] / max(1, len(tokens) - 1) for tokens, t in zip(ar_tokens, ars)]
+    spec_s_per_tok = [s.total_s / len(s.tokens) for s in specs]
+    spec_decode = [(s.total_s - s.prefill_s) / max(1, len(s.tokens) - 1) for s in specs]
+    draft_s = [x for s in specs for x in s.draft_s]
+    verify_s = [x for s in specs for x in s.verify_s]
+    select_s = [x for s in specs for x in s.select_s]
+    scorings = [x for s in specs for x in s.scorings]
+    per_prompt = [rounds_before(r.spec[0].accepted, r.verified_upto) for r in first]
+    accepted = [n for kept in per_prompt for n in kept]
+    timed_accepted = [n for r in first for n in r.spec[0].accepted]  # every round of the first runs (timed)
+    verified = [n for r in first for n in r.spec[0].verified]
+    drafted = [d for r in first for d in r.spec[0].drafted]
+    out_tokens = sum(len(r.spec[0].tokens) for r in first)
+    forwards = sum(r.spec[0].target_forwards for r in first)
 
-    def spec(i, run):
-        out = speculative(target, method, prompts[i]["prompt_ids"], max_new_tokens, block_size, temperature,
-                          gen(i, "spec", run))
-        bar.update(0 if run == "warmup" else part)
-        return out
-
-    others = {d: SimpleNamespace(model=m, eos_ids=target.eos_ids) for d, m in (baselines or {}).items()}
-
-    def ar_in(dtype: str, i: int) -> tuple[float, float]:
-        """(s per token, s per decode step) of plain decoding of prompt i by the target in another dtype."""
-        tokens, t = autoregressive(others[dtype], prompts[i]["prompt_ids"], max_new_tokens, temperature,
-                                   gen(i, "ar", dtype))
-        return t["total_s"] / len(tokens), t["decode_s"] / max(1, len(tokens) - 1)
-
-    ar(0, "warmup"), spec(0, "warmup")
-    for d in others:
-        ar_in(d, 0)
-    ar_s_per_tok, spec_s_per_tok, ar_decode, spec_decode = [], [], [], []
-    other_runs: dict[str, list[tuple[float, float]]] = {d: [] for d in others}
-    draft_s, verify_s, select_s, scorings, prefill_s, accepted, mismatches = [], [], [], [], [], [], []
-    near_ties, timed_accepted = [], []  # timed_accepted: every round of the first runs (what the timing covers)
-    ar_outputs, out_tokens, forwards, verified, drafted, per_prompt = [], 0, 0, [], [], []
-    for i, p in enumerate(prompts):
-        for r in range(repeats):
-            a1, t_a1 = ar(i, 2 * r)
-            for d in others:
-                other_runs[d].append(ar_in(d, i))
-            s1, s2 = spec(i, 2 * r), spec(i, 2 * r + 1)
-            for d in others:
-                other_runs[d].append(ar_in(d, i))
-            a2, t_a2 = ar(i, 2 * r + 1)
-            for tokens, t in ((a1, t_a1), (a2, t_a2)):
-                ar_s_per_tok.append(t["total_s"] / len(tokens))
-                ar_decode.append(t["decode_s"] / max(1, len(tokens) - 1))
-            for s in (s1, s2):
-                spec_s_per_tok.append(s.total_s / len(s.tokens))
-                spec_decode.append((s.total_s - s.prefill_s) / max(1, len(s.tokens) - 1))
-                draft_s += s.draft_s
-                verify_s += s.verify_s
-                select_s += s.select_s
-                scorings += s.scorings
-                prefill_s.append(s.prefill_s)
-            verified_upto = None  # greedy: the first run's divergence at a near-tie (acceptance stops there)
-            if temperature <= 0:
-                for what, other in (("the second autoregressive run", a2), ("speculative decoding", s1.tokens),
-                                    ("a repeated speculative run", s2.tokens)):
-                    v = judge.check(p["id"], p["prompt_ids"], a1, other, what, strict)
-                    if v.kind in (NEAR_TIE, WRONG):
-                        (near_ties if v.kind == NEAR_TIE else mismatches).append(
-                            {"prompt": p["id"], "position": v.position, "run": what, "repeat": r, **v.detail})
-                    if r == 0 and other is s1.tokens and v.kind == NEAR_TIE:
-                        verified_upto = v.position
-            if r == 0:
-                ar_outputs.append(a1)
-                kept = rounds_before(s1.accepted, verified_upto)
-                per_prompt.append(kept)
-                accepted += kept
-                timed_accepted += s1.accepted
-                verified += s1.verified
-                drafted += s1.drafted
-                out_tokens += len(s1.tokens)
-                forwards += s1.target_forwards
-    bar.close()
     stats = accepted_length_stats(accepted, block_size)
     ms_ar, ms_spec = 1e3 * _median(ar_s_per_tok), 1e3 * _median(spec_s_per_tok)
     total_draft, total_verify = sum(draft_s), sum(verify_s)
     res = {
-        "prompts": len(prompts),
+        "prompts": len(first),
         "output_tokens": out_tokens,
         "rounds": stats["rounds"],
         "a_k_online": stats["a_k"],
@@ -248,7 +291,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "target_forwards_per_token": forwards / out_tokens if out_tokens else 0.0,
         "draft_ms_per_round": 1e3 * _median(draft_s),
         "verify_ms_per_round": 1e3 * _median(verify_s),
-        "prefill_ms": 1e3 * _median(prefill_s),
+        "prefill_ms": 1e3 * _median([s.prefill_s for s in specs]),
         "draft_fraction": total_draft / (total_draft + total_verify) if draft_s else 0.0,
         "select_ms_per_round": 1e3 * _median(select_s),  # choosing among the candidates, part of draft ms
         "select_fraction": sum(select_s) / (total_draft + total_verify) if draft_s else 0.0,
@@ -261,20 +304,14 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         "tokens_per_s_spec": 1e3 / ms_spec if ms_spec else 0.0,
         "speedup": ms_ar / ms_spec if ms_spec else 0.0,
         "speedup_decode": _median(ar_decode) / _median(spec_decode) if spec_decode and _median(spec_decode) else 0.0,
-        "exact": (not mismatches) if temperature <= 0 else None,  # None: not defined when sampling
-        "mismatches": mismatches,  # wrong outputs (recorded with eval.strict_exact=false; raised otherwise)
-        # reduced precision: outputs that diverged at a near-tie (eval/exactness.py), and counts per kind
-        "near_ties": near_ties,
-        "outputs_compared": 3 * len(prompts) * repeats if temperature <= 0 else 0,
-        "near_tie_outputs": len(near_ties),
-        "identical": (not mismatches and not near_ties) if temperature <= 0 else None,
-        "target_dtype": target.dtype,
+        "target_dtype": target_dtype,
         "timed_runs": len(ar_s_per_tok) + len(spec_s_per_tok),
     }
     # the baseline a user compares with: the fastest plain decoding on the machine, in any dtype timed
-    per_dtype = {res["target_dtype"]: (ms_ar, _median(ar_decode))}
-    per_dtype.update({d: (1e3 * _median([t for t, _ in runs]), _median([x for _, x in runs]))
-                      for d, runs in other_runs.items()})
+    per_dtype = {target_dtype: (ms_ar, _median(ar_decode))}
+    for d in (runs[0].other if runs else {}):
+        timed = [x for r in runs for x in r.other[d]]
+        per_dtype[d] = (1e3 * _median([t for t, _ in timed]), _median([x for _, x in timed]))
     fastest = min(per_dtype, key=lambda d: per_dtype[d][0])
     res["ms_per_token_ar_by_dtype"] = {d: ms for d, (ms, _) in per_dtype.items()}
     res["fastest_ar_dtype"] = fastest
@@ -290,10 +327,6 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         res["round_cost_predicted"] = spent / len(timed_accepted)
         res["predicted_speedup"] = (sum(timed_accepted) + len(timed_accepted)) / spent
         res["measured_over_predicted"] = res["speedup_decode"] / res["predicted_speedup"]
-    log.info("%s %s: tau_online %.3f a_k %s speedup %.2fx (AR %.1f tok/s, spec %.1f tok/s), exact %s", method.name,
-             label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
-             res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
-    res["ar_outputs"] = ar_outputs
     return res
 
 

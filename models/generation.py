@@ -70,23 +70,125 @@ def _trim(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+class ContinuousBatch:
+    """The state of continuous batching over `prompts`: a queue of prompts not yet admitted and the decode rows
+    (the prompt index of each, their KV cache and attention mask, the token each feeds next and its position).
+    `run()` admits and decodes until every reply has ended; see `generate` for the policy."""
+
+    def __init__(self, model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
+                 temperature: float = 0.0, top_p: float = 1.0, generators: list[torch.Generator] | None = None,
+                 on_step: Callable[[int, list[int]], None] | None = None, batch_size: int | None = None,
+                 prefill_tokens: int | None = None, taps: list[int] | None = None):
+        self.model, self.prompts, self.max_new_tokens, self.pad_id = model, prompts, max_new_tokens, pad_id
+        self.eos = set(eos_ids)
+        self.temperature, self.top_p, self.generators, self.on_step = temperature, top_p, generators, on_step
+        self.batch_size = batch_size or len(prompts)
+        self.refill_at = max(1, self.batch_size // 4)  # free rows that trigger an admission
+        self.prefill_tokens = prefill_tokens or 1 << 62
+        self.taps = taps
+        self.hidden = {"output_hidden_states": True} if taps is not None else {}
+        self.queue = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
+        self.replies: list[list[int]] = [[] for _ in prompts]
+        self.seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]  # (taps, final) chunks
+        self.cache = self.mask = self.tokens = self.next_pos = None  # per decode row: next token, its position
+        self.active: list[int] = []  # the prompt index of each decode row
+        self.closing: list[bool] = []  # rows whose reply has ended, kept one step so taps see their last token
+
+    def free(self) -> int:
+        return self.batch_size - len(self.active)
+
+    def run(self) -> None:
+        while self.queue or self.active:
+            if self.queue and (not self.active or self.free() >= self.refill_at):
+                self.admit()
+                if self.queue and self.free() >= self.refill_at:
+                    continue  # the prefill budget stopped the admission: admit more before decoding
+            if self.active:
+                self.step()
+
+    def captured(self) -> list[dict[str, torch.Tensor]]:
+        return [{"features": torch.cat([f for f, _ in chunks]), "final_hidden": torch.cat([h for _, h in chunks])}
+                for chunks in self.seen]
+
+    def record(self, out, rows: list[int], spans: list[slice]) -> None:
+        hs, taps = out.hidden_states, self.taps
+        for j, (r, span) in enumerate(zip(rows, spans)):
+            self.seen[r].append((torch.cat([hs[i + 1][j, span] for i in taps], dim=-1) if taps
+                                 else hs[-1][j, span, :0], hs[-1][j, span]))
+
+    def pick(self, logits: torch.Tensor, rows: list[int], live: list[bool]) -> tuple[torch.Tensor, list[bool]]:
+        """The next token of each live row, appended to its reply; whether each row goes on decoding."""
+        gens = [self.generators[r] for r in rows] if self.generators else None
+        picked = _pick(logits, self.temperature, self.top_p, gens)
+        goes_on = []
+        for r, t, lv in zip(rows, picked.tolist(), live):
+            if lv:
+                self.replies[r].append(t)
+            goes_on.append(lv and t not in self.eos and len(self.replies[r]) < self.max_new_tokens)
+        if self.on_step:
+            self.on_step(sum(live), [r for r, g, lv in zip(rows, goes_on, live) if lv and not g])
+        return picked, goes_on
+
+    def admit(self) -> None:
+        """Prefill the next queued prompts together (as many as fit the free rows and the prefill budget, one at
+        least) and merge the rows that go on into the running batch."""
+        device, prompts = self.model.device, self.prompts
+        new = [self.queue.pop()]
+        while self.queue and len(new) < self.free() and (len(new) + 1) * len(prompts[self.queue[-1]]) \
+                <= self.prefill_tokens:
+            new.append(self.queue.pop())
+        ids, new_mask = _left_pad([prompts[r] for r in new], self.pad_id, device)
+        new_cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=new_mask, position_ids=(new_mask.cumsum(-1) - 1).clamp(min=0),
+                         cache=new_cache, use_cache=True, logits_to_keep=1, **self.hidden)
+        if self.hidden:
+            self.record(out, new, [slice(ids.shape[1] - len(prompts[r]), None) for r in new])
+        picked, goes_on = self.pick(out.logits[:, -1], new, [True] * len(new))
+        keep = [i for i, g in enumerate(goes_on) if g or self.hidden]  # with taps, a finished row stays one step
+        if not keep:
+            return
+        idx = torch.tensor(keep, device=device)
+        if len(keep) < len(new):
+            new_cache.batch_select_indices(idx)
+        new_mask, new_pos = new_mask[idx], new_mask[idx].sum(-1)
+        if self.cache is None:
+            self.cache, self.mask, self.tokens, self.next_pos = new_cache, new_mask, picked[idx], new_pos
+        else:
+            self.mask = _merge(self.cache, self.mask, new_cache, new_mask)
+            self.tokens, self.next_pos = torch.cat([self.tokens, picked[idx]]), torch.cat([self.next_pos, new_pos])
+        self.active += [new[i] for i in keep]
+        self.closing += [not goes_on[i] for i in keep]
+
+    def step(self) -> None:
+        """One decode step of every row; rows whose reply ended leave the batch (with taps, one step later)."""
+        rows = self.active
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(rows), 1))], dim=-1)
+        out = self.model(input_ids=self.tokens[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
+                         cache=self.cache, use_cache=True, **self.hidden)
+        if self.hidden:
+            self.record(out, rows, [slice(None)] * len(rows))
+        picked, goes_on = self.pick(out.logits[:, -1], rows, [not c for c in self.closing])
+        next_pos = self.next_pos + 1
+        keep = [i for i, (g, c) in enumerate(zip(goes_on, self.closing)) if g or (self.hidden and not c)]
+        self.closing = [not goes_on[i] for i in keep]
+        if len(keep) < len(rows):
+            self.active = [rows[i] for i in keep]
+            if not self.active:
+                self.cache = self.mask = self.tokens = self.next_pos = None
+                return
+            idx = torch.tensor(keep, device=self.model.device)
+            self.cache.batch_select_indices(idx)
+            self.mask, picked, next_pos = _trim(self.cache, self.mask[idx]), picked[idx], next_pos[idx]
+        self.tokens, self.next_pos = picked, next_pos
+
+
 @torch.no_grad()
-def generate(
-    model,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    eos_ids: set[int],
-    pad_id: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    generators: list[torch.Generator] | None = None,
-    on_step: Callable[[int, list[int]], None] | None = None,
-    batch_size: int | None = None,
-    prefill_tokens: int | None = None,
-    taps: list[int] | None = None,
-):
-    """Continue each prompt until an EOS id (kept) or max_new_tokens, decoding up to `batch_size` rows together.
+def generate(model, prompts: list[list[int]], **settings) -> list[list[int]]:
+    """Continue each prompt until an EOS id (kept) or max_new_tokens, decoding up to `batch_size` rows together;
+    returns the replies.
+
+    Settings (ContinuousBatch): max_new_tokens, eos_ids, pad_id, temperature / top_p / generators (one per prompt),
+    on_step, batch_size, prefill_tokens.
 
     Continuous batching: prompts are admitted from a queue in the given order (sort them by length for little
     padding); a row leaves the decode batch the step its reply ends, and once a quarter of the rows are free the
@@ -95,98 +197,24 @@ def generate(
     a sample's reply does not depend on which others share its batch (its own generator; left padding with
     explicit positions). batch_size None: all prompts in one batch.
 
-    taps: also capture, as the tokens go through the target, the tapped layers' hidden states (layer i =
-    hidden_states[i + 1]) and the final normed hidden states of every token of prompt + reply: a finished row stays
-    for one more step so its last token is seen too. Returns (replies, [{"features" (T, n*H), "final_hidden" (T, H)}])
-    instead of the replies.
-
     on_step(new_tokens, finished_rows): called after every decode step (and admission) with the number of tokens
     it produced and the prompt indices whose reply ended there (for progress reporting as rows finish).
     """
-    device = model.device
-    batch_size = batch_size or len(prompts)
-    refill_at = max(1, batch_size // 4)  # free rows that trigger an admission
-    queue = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
-    eos = torch.tensor(sorted(eos_ids), device=device)
-    results: list[list[int]] = [[] for _ in prompts]
-    seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]  # per prompt: (taps, final) chunks
-    cache, mask, active, closing = None, None, [], []  # active: prompt index of each decode row
-    tokens = next_pos = None  # per decode row: the token to feed next and its position
-    hidden = {"output_hidden_states": True} if taps is not None else {}
+    batch = ContinuousBatch(model, prompts, **settings)
+    batch.run()
+    return batch.replies
 
-    def record(out, rows: list[int], spans: list[slice]) -> None:
-        hs = out.hidden_states
-        for j, (r, span) in enumerate(zip(rows, spans)):
-            seen[r].append((torch.cat([hs[i + 1][j, span] for i in taps], dim=-1) if taps else hs[-1][j, span, :0],
-                            hs[-1][j, span]))
 
-    def pick(logits: torch.Tensor, rows: list[int], live: list[bool]) -> tuple[torch.Tensor, list[bool]]:
-        """The next token of each live row, appended to its reply; whether each row goes on decoding."""
-        gens = [generators[r] for r in rows] if generators else None
-        picked = _pick(logits, temperature, top_p, gens)
-        goes_on = []
-        for r, t, lv in zip(rows, picked.tolist(), live):
-            if lv:
-                results[r].append(t)
-            goes_on.append(lv and t not in eos_set and len(results[r]) < max_new_tokens)
-        if on_step:
-            on_step(sum(live), [r for r, g, lv in zip(rows, goes_on, live) if lv and not g])
-        return picked, goes_on
-
-    eos_set = set(eos.tolist())
-    while queue or active:
-        if queue and (not active or batch_size - len(active) >= refill_at):
-            free, new = batch_size - len(active), [queue.pop()]
-            while queue and len(new) < free and (len(new) + 1) * len(prompts[queue[-1]]) <= (prefill_tokens or 1 << 62):
-                new.append(queue.pop())
-            ids, new_mask = _left_pad([prompts[r] for r in new], pad_id, device)
-            new_cache = DynamicCache()
-            out = model(input_ids=ids, attention_mask=new_mask, position_ids=(new_mask.cumsum(-1) - 1).clamp(min=0),
-                        cache=new_cache, use_cache=True, logits_to_keep=1, **hidden)
-            if hidden:
-                record(out, new, [slice(ids.shape[1] - len(prompts[r]), None) for r in new])
-            picked, goes_on = pick(out.logits[:, -1], new, [True] * len(new))
-            keep = [i for i, g in enumerate(goes_on) if g or hidden]  # with taps, a finished row stays one step
-            if keep:
-                idx = torch.tensor(keep, device=device)
-                if len(keep) < len(new):
-                    new_cache.batch_select_indices(idx)
-                new_mask, new_pos = new_mask[idx], new_mask[idx].sum(-1)
-                if cache is None:
-                    cache, mask, tokens, next_pos = new_cache, new_mask, picked[idx], new_pos
-                else:
-                    mask = _merge(cache, mask, new_cache, new_mask)
-                    tokens, next_pos = torch.cat([tokens, picked[idx]]), torch.cat([next_pos, new_pos])
-                active += [new[i] for i in keep]
-                closing += [not goes_on[i] for i in keep]
-            if queue and batch_size - len(active) >= refill_at:
-                continue  # the prefill budget stopped the admission: admit more before decoding
-        if not active:
-            continue
-        mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    cache=cache, use_cache=True, **hidden)
-        rows = active
-        if hidden:
-            record(out, rows, [slice(None)] * len(rows))
-        picked, goes_on = pick(out.logits[:, -1], rows, [not c for c in closing])
-        next_pos = next_pos + 1
-        keep = [i for i, (g, c) in enumerate(zip(goes_on, closing)) if g or (hidden and not c)]
-        closing = [not goes_on[i] for i in keep]
-        if len(keep) < len(rows):
-            active = [rows[i] for i in keep]
-            if not active:
-                cache = mask = tokens = next_pos = None
-                continue
-            idx = torch.tensor(keep, device=device)
-            cache.batch_select_indices(idx)
-            mask, picked, next_pos = _trim(cache, mask[idx]), picked[idx], next_pos[idx]
-        tokens = picked
-    if taps is None:
-        return results
-    captured = [{"features": torch.cat([f for f, _ in chunks]), "final_hidden": torch.cat([h for _, h in chunks])}
-                for chunks in seen]
-    return results, captured
+@torch.no_grad()
+def generate_capturing(model, prompts: list[list[int]], taps: list[int], **settings
+                       ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+    """`generate`, also capturing, as the tokens go through the target, the tapped layers' hidden states (layer
+    i = hidden_states[i + 1]) and the final normed hidden states of every token of prompt + reply (a finished row
+    stays for one more step so its last token is seen too): (replies, [{"features" (T, n*H), "final_hidden"
+    (T, H)}])."""
+    batch = ContinuousBatch(model, prompts, taps=taps, **settings)
+    batch.run()
+    return batch.replies, batch.captured()
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from hydra import compose, initialize_config_module
 from dflash_pipeline.conf.schema import register
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import add_features, chat_segments
-from dflash_pipeline.models.generation import budget_batches, generate
+from dflash_pipeline.models.generation import budget_batches, generate, generate_capturing
 from dflash_pipeline.models.target import load_target, resolve_layer_ids
 
 
@@ -103,8 +103,8 @@ def bench(args, dtype: str) -> float:
     def continuous_with_taps():
         """The teacher's default (teacher.capture=during): continuous batching that keeps every tapped layer's
         hidden states of every token as generation computes them."""
-        replies, _ = generate(model, prompts, batch_size=t.batch_size, prefill_tokens=t.prefill_batch_tokens,
-                              taps=layer_ids, **common)
+        replies, _ = generate_capturing(model, prompts, layer_ids, batch_size=t.batch_size,
+                                        prefill_tokens=t.prefill_batch_tokens, **common)
         return replies
 
     runs = {}
