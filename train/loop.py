@@ -14,6 +14,7 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -75,15 +76,26 @@ def checkpoints(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("step-*") if (p / "step.json").is_file())
 
 
-def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, component: str | None = None,
-              drafter_dir: Path | None = None) -> Path:
-    """Train `component` (default: trainer.component) in stage folder `out`; returns `out` (export/ inside).
+@dataclass
+class Stage:
+    """What a training stage is about to do: which component, on which inputs, under which config hash and loop
+    settings, in which folder."""
 
-    data_dir: the teacher dataset (default: trainer.data_dir, else the run's teacher stage). drafter_dir: the
-    run's drafter export that a component trained on a frozen drafter reads (<component>.drafter_dir, when set, wins;
-    default: the drafter stage that holds `out`)."""
-    check_config(cfg)
-    name = str(component or cfg.trainer.component)
+    name: str
+    out: Path
+    inputs: StageInputs
+    digest: str
+    settings: DictConfig
+
+    @property
+    def label(self) -> str:  # what the bar and log lines are called
+        return "train" if self.name == "drafter" else f"train {self.name}"
+
+
+def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, drafter_dir: Path | None
+               ) -> Stage | None:
+    """The stage to run in `out`, or None when it is already complete for this config; refuses a folder that holds
+    a finished run of another config (a component on a frozen drafter is cheap and simply trained again)."""
     mod = catalogue.module(name)
     own = cfg.get(name) if mod.CONFIG is not None else None
     inputs = StageInputs(teacher=Path(data_dir or cfg.trainer.data_dir or _run_dir(out, name) / cfg.teacher.out_dir))
@@ -97,7 +109,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     t = loop_settings_of(cfg, name)
     if finished == digest and not t.resume:
         log.info("%s: training already complete at %s (config %s): skipping", name, out, digest)
-        return out
+        return None
     derived = "drafter" in mod.INPUTS  # cheap, and a function of the drafter: retrained when its config changes
     if finished is not None and finished != digest and not t.resume and derived:
         log.warning("%s holds a finished %s of another config; training it again for config %s", out, name, digest)
@@ -105,7 +117,12 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     elif finished is not None and finished != digest and not t.resume:
         raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
                          "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
+    return Stage(name, out, inputs, digest, t)
 
+
+def make_accelerator(stage: Stage) -> Accelerator:
+    """Accelerate as the launcher set it up (processes, mixed precision), checked against what the loop supports."""
+    t = stage.settings
     # step_scheduler_with_optimizer=False: our schedule counts optimizer steps, whatever the number of processes.
     # mixed_precision None leaves the choice to the launcher (accelerate launch's flag or config file).
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per saved file otherwise
@@ -115,46 +132,82 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
         raise TrainError("FSDP is not supported yet: the drafter shares the target's frozen embedding and LM head "
                          "modules, and held-out evaluation and export run on one process; use DDP "
                          "(scripts/accelerate/ddp_bf16.yaml)")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    label = "train" if name == "drafter" else f"train {name}"  # what the bar and log lines are called
-    prefix = "" if name == "drafter" else f"{name} "
-    log.info("%s: %d process(es) (%s), device %s, mixed precision %s", label, world,
+    world = accelerator.num_processes
+    log.info("%s: %d process(es) (%s), device %s, mixed precision %s", stage.label, world,
              accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)
     if t.batch_sequences % (world * t.grad_accum):
         raise TrainError(f"batch_sequences={t.batch_sequences} must be divisible by processes x grad_accum "
                          f"= {world} x {t.grad_accum}")
-    torch.manual_seed(cfg.seed)
-    comp: TrainingComponent = mod.COMPONENT(cfg, inputs, accelerator.device)
-    params = [p for p in comp.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
-    model, optimizer, scheduler = accelerator.prepare(comp.model, optimizer, scheduler)
+    return accelerator
 
-    ckpt_dir = out / "checkpoints"
+
+def resume(accelerator: Accelerator, stage: Stage) -> int:
+    """The step to start from: a checkpoint of this very config (a killed run started again) is always continued,
+    as batches are a function of (seed, step) and this equals the uninterrupted run; trainer.resume=true also
+    continues another config's. A fresh run clears old checkpoints and metrics; a resumed one drops the metrics
+    logged after its checkpoint."""
+    out, ckpt_dir = stage.out, stage.out / "checkpoints"
     start = 0
     last = next(reversed(checkpoints(ckpt_dir)), None)
-    # A checkpoint of this very config (a killed run started again) is always continued: batches are a function of
-    # (seed, step), so this equals the uninterrupted run. trainer.resume=true also continues another config's.
-    same = last is not None and json.loads((last / "step.json").read_text()).get("config_hash") == digest
-    if last is not None and (t.resume or same):
+    same = last is not None and json.loads((last / "step.json").read_text()).get("config_hash") == stage.digest
+    if last is not None and (stage.settings.resume or same):
         accelerator.load_state(str(last))
         start = json.loads((last / "step.json").read_text())["step"]
         log.info("resumed from %s at step %d", last, start)
     elif accelerator.is_main_process and out.exists():
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # a fresh run: old checkpoints would be misleading
         (out / "metrics.jsonl").unlink(missing_ok=True)
-    if accelerator.is_main_process and (out / "metrics.jsonl").is_file():  # drop what was logged after the checkpoint
+    if accelerator.is_main_process and (out / "metrics.jsonl").is_file():
         lines = (out / "metrics.jsonl").read_text().splitlines()
         (out / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= start))
     accelerator.wait_for_everyone()
+    return start
+
+
+def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, component: str | None = None,
+              drafter_dir: Path | None = None) -> Path:
+    """Train `component` (default: trainer.component) in stage folder `out`; returns `out` (export/ inside).
+
+    data_dir: the teacher dataset (default: trainer.data_dir, else the run's teacher stage). drafter_dir: the
+    run's drafter export that a component trained on a frozen drafter reads (<component>.drafter_dir, when set, wins;
+    default: the drafter stage that holds `out`)."""
+    check_config(cfg)
+    name = str(component or cfg.trainer.component)
+    stage = plan_stage(cfg, out, data_dir, name, drafter_dir)
+    if stage is None:
+        return out
+    t = stage.settings
+    accelerator = make_accelerator(stage)
+    torch.manual_seed(cfg.seed)
+    comp: TrainingComponent = catalogue.module(name).COMPONENT(cfg, stage.inputs, accelerator.device)
+    params = [p for p in comp.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
+    model, optimizer, scheduler = accelerator.prepare(comp.model, optimizer, scheduler)
+    start = resume(accelerator, stage)
     logger = RunLogger(cfg, out, "train" if name == "drafter" else f"train-{name}", enabled=accelerator.is_main_process,
                        resume=start > 0)
+    train_steps(accelerator, stage, comp, model, params, optimizer, scheduler, logger, start)
+    if accelerator.is_main_process:
+        comp.export(accelerator.unwrap_model(model), out / "export")
+        (out / "done.json").write_text(json.dumps({"config_hash": stage.digest, "steps": t.steps}))
+        log.info("exported the trained %s to %s", name, out / "export")
+    accelerator.wait_for_everyone()
+    logger.finish()
+    return out
 
+
+def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent, model, params, optimizer,
+                scheduler, logger: RunLogger, start: int) -> None:
+    """Steps start .. settings.steps: each process takes its slice of the step's global batch in grad_accum
+    micro-batches; logging, held-out evaluation and checkpoints at their cadence."""
+    t, world, rank = stage.settings, accelerator.num_processes, accelerator.process_index
+    prefix = "" if stage.name == "drafter" else f"{stage.name} "
     per_rank = t.batch_sequences // world
     micro = per_rank // t.grad_accum
     model.train()
     clock, seen = time.perf_counter(), {}
-    bar = Progress(label, t.steps, "step", initial=start, enabled=accelerator.is_main_process)
+    bar = Progress(stage.label, t.steps, "step", initial=start, enabled=accelerator.is_main_process)
     for step in range(start, t.steps):
         items = comp.step_items(step)
         mine = items[rank * per_rank: (rank + 1) * per_rank]
@@ -198,16 +251,8 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
             clock = time.perf_counter()
         logger.log(metrics, step + 1)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            save_checkpoint(accelerator, ckpt_dir, step + 1, t.keep_checkpoints, digest)
+            save_checkpoint(accelerator, stage.out / "checkpoints", step + 1, t.keep_checkpoints, stage.digest)
     bar.close()
-
-    if accelerator.is_main_process:
-        comp.export(accelerator.unwrap_model(model), out / "export")
-        (out / "done.json").write_text(json.dumps({"config_hash": digest, "steps": t.steps}))
-        log.info("exported the trained %s to %s", name, out / "export")
-    accelerator.wait_for_everyone()
-    logger.finish()
-    return out
 
 
 def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, keep: int, digest: str) -> None:
