@@ -5,6 +5,7 @@ finds the output of the one before it without extra arguments.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -20,6 +21,26 @@ from dflash_pipeline.conf.schema import register
 
 register()
 log = logging.getLogger("dflash")
+
+def measurement_parser(doc: str, *, prompts: int, threads: int, max_new_tokens: int = 96) -> argparse.ArgumentParser:
+    """The command line the measurement scripts share (scripts/bench_*.py, scripts/profile_round.py): prompts, reply
+    length, torch threads, and Hydra overrides naming the run; a script adds its own options."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--threads", type=int, default=threads, help="torch threads (median timings are per thread count)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides: experiment=... hydra.run.dir=<run folder>")
+    return ap
+
+
+def compose_run(overrides: list[str]) -> DictConfig:
+    """The config the console scripts compose from these overrides, hydra's own settings (the run folder) included."""
+    from hydra import compose, initialize_config_module
+
+    register()
+    with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that come from bad input: shown as one line, not a traceback."""

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_pipeline.data.blocks import pack_blocks
-from dflash_pipeline.eval.protocol import CONTEXT, NOT_VERIFIED
+from dflash_pipeline.eval.protocol import CONTEXT, NOT_VERIFIED, drafter_blocks
 
 if TYPE_CHECKING:
     from dflash_pipeline.conf.progress import Progress
@@ -155,13 +154,7 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
     paths: dict[str, list[torch.Tensor]] = {name: [] for name in methods}
     scorings: dict[str, int] = {name: 0 for name in methods}
     for it in items:
-        b = pack_blocks([it], block_size=block_size, mask_token_id=drafter.config.mask_token_id,
-                        anchors_per_sequence=None)
-        b = {k: v.to(device) for k, v in b.items()}
-        hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
-                                        b["anchor_valid"])  # (1, Nb, B, H)
-        keep = b["anchor_valid"]
-        h = hidden[keep]  # (N, B, H)
+        h, b, keep = drafter_blocks(drafter, [it], block_size)  # h (N, B, H)
         context = _contexts(it["input_ids"].to(device), b["anchor_pos"][keep])
         for part, ids, ctx in zip(h.split(chunk), b["block_ids"][keep][:, 0].split(chunk), context.split(chunk)):
             logits = drafter.logits(part[:, 1:]).float()  # (n, B-1, V or Vd)

@@ -105,36 +105,31 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     draft: list[float] = []
     ar_step: list[float] = []
     ids = torch.full((1, block_size), anchor, device=device)  # any tokens: only the time is kept
-    for r in range(repeats + 1):
+
+    def timed(into: list[float], r: int, run, crop: bool = True) -> None:
+        """Time run() (the target's cache cropped back to the context inside the time, as the eval loop does);
+        pass 0 is the warm-up, not kept."""
         sync(device)
-        t0 = time.perf_counter()  # a plain decoding step as autoregressive() runs it: no hidden states out
-        model(input_ids=ids[:, :1], position_ids=torch.tensor([[L]], device=device), cache=cache, use_cache=True)
-        crop_cache(cache, L)
-        sync(device)
-        if r:
-            ar_step.append(time.perf_counter() - t0)
-        for n in range(1, block_size + 1):
-            sync(device)
-            t0 = time.perf_counter()
-            target_forward(model, ids[:, :n], torch.arange(L, L + n, device=device)[None], cache, layer_ids)
-            crop_cache(cache, L)
-            sync(device)
-            if r:
-                times[n].append(time.perf_counter() - t0)
-        for N, tree in trees.items():
-            sync(device)
-            t0 = time.perf_counter()
-            verify_tree(model, cache, L, anchor, tree, layer_ids)
-            crop_cache(cache, L)
-            sync(device)
-            if r:
-                tree_times[N].append(time.perf_counter() - t0)
-        one = RoundState(feats[None, -1:], torch.tensor([L - 1 + r], device=device), anchor, L + r, [anchor])
         t0 = time.perf_counter()
-        chain.propose(one, block_size)  # one committed token enters the drafter's context, as in a round
+        run()
+        if crop:
+            crop_cache(cache, L)
         sync(device)
         if r:
-            draft.append(time.perf_counter() - t0)
+            into.append(time.perf_counter() - t0)
+
+    for r in range(repeats + 1):
+        # a plain decoding step as autoregressive() runs it: no hidden states out
+        timed(ar_step, r, lambda: model(input_ids=ids[:, :1], position_ids=torch.tensor([[L]], device=device),
+                                        cache=cache, use_cache=True))
+        for n in range(1, block_size + 1):
+            timed(times[n], r, lambda: target_forward(model, ids[:, :n], torch.arange(L, L + n, device=device)[None],
+                                                      cache, layer_ids))
+        for N, tree in trees.items():
+            timed(tree_times[N], r, lambda: verify_tree(model, cache, L, anchor, tree, layer_ids))
+        one = RoundState(feats[None, -1:], torch.tensor([L - 1 + r], device=device), anchor, L + r, [anchor])
+        # one committed token enters the drafter's context, as in a round (no target cache to crop)
+        timed(draft, r, lambda: chain.propose(one, block_size), crop=False)
     step = times[1]
 
     def ratio(ts: list[float]) -> float:  # per pass, against that pass's 1-token step: a slow spell cancels out

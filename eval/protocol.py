@@ -6,7 +6,7 @@ method: a subclass overrides `path` (greedy; its teacher-forced metrics use the 
 (temperature > 0), or declares itself `greedy_only`. A path may verify fewer drafts than the block holds by marking
 the unverified tail NOT_VERIFIED. Tree methods (eval/tree.py) return a Proposal with a DraftTree.
 
-This module imports nothing of the project above models/, so the decoding loop, the metrics, the trees, the
+This module imports nothing of the project above models/ and data/, so the decoding loop, the metrics, the trees, the
 policies and the components' methods all build on it without importing each other.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
+from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.models.drafter import DFlashDrafter
 
 
@@ -93,6 +94,19 @@ class Proposal:
     scorings: int = 0  # candidate scorings the choice took
     drafted: bool = True  # False: the method skipped the drafter this round (no drafts; a plain target step)
     tree: object | None = None  # a DraftTree (eval/tree.py) of the drafts in `tokens`: verified as a tree
+
+
+def drafter_blocks(drafter: DFlashDrafter, items: list[dict], block_size: int, anchors_per_sequence: int | None = None,
+                   generators=None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The drafter's forward over the packed anchor blocks of `items` (data/blocks.py pack_blocks; None: every
+    anchor), as offline metrics and the components on a frozen drafter see it: (post-norm hidden (N, B, H) of the
+    real blocks, anchor first; the packed batch on the drafter's device; keep, its mask of the real blocks)."""
+    b = pack_blocks(items, block_size=block_size, mask_token_id=drafter.config.mask_token_id,
+                    anchors_per_sequence=anchors_per_sequence, generators=generators)
+    b = {k: v.to(drafter.norm.weight.device) for k, v in b.items()}
+    keep = b["anchor_valid"]
+    hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], keep)
+    return hidden[keep], b, keep
 
 
 def candidates(drafter: DFlashDrafter, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

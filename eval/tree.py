@@ -22,9 +22,8 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
-from dflash_pipeline.eval.protocol import ChainMethod, Proposal, RoundState, sync
+from dflash_pipeline.eval.protocol import ChainMethod, Proposal, RoundState, drafter_blocks, sync
 
 DENSE_MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that honour a custom 4D float mask
 
@@ -306,25 +305,23 @@ class DDTreeMethod(TreeMethod):
 
 @torch.no_grad()
 def tree_offline_metrics(drafter, items: list[dict], block_size: int, methods: dict[str, TreeMethod],
-                         progress=None) -> dict:
-    """Teacher-forced acceptance of tree methods: at every anchor of `items` (with `final_hidden`), the tree each
-    method builds from the drafter's block, walked along the true tokens. Returns per method a_k (per depth),
-    tau_offline (1 + mean accepted) and nodes_per_block."""
+                         progress=None, max_blocks: int | None = None) -> dict:
+    """Teacher-forced acceptance of tree methods: at every anchor of `items` (with `final_hidden`; the first
+    `max_blocks` anchors only, when given), the tree each method builds from the drafter's block, walked along the
+    true tokens. Returns per method a_k (per depth), tau_offline (simulated from a_k, as for block methods) and
+    nodes_per_block."""
     device = drafter.norm.weight.device
     accepted: dict[str, list[int]] = {m: [] for m in methods}
     nodes: dict[str, int] = {m: 0 for m in methods}
     valids = []
     for it in items:
-        b = pack_blocks([it], block_size=block_size, mask_token_id=drafter.config.mask_token_id,
-                        anchors_per_sequence=None)
-        b = {k: v.to(device) for k, v in b.items()}
-        keep = b["anchor_valid"]
-        hidden = drafter.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
-                                        keep)[keep]
+        hidden, b, keep = drafter_blocks(drafter, [it], block_size)
         labels, valid = b["labels"][keep], b["label_valid"][keep]
         verifier, anchors = b["verifier_hidden"][keep].to(hidden.dtype), b["block_ids"][keep][:, 0]
-        valids.append(valid)
         for n in range(hidden.shape[0]):
+            if max_blocks is not None and len(valids) >= max_blocks:
+                break
+            valids.append(valid[n])
             truth = labels[n][valid[n].long().cumprod(0).bool()].tolist()
             for m, method in methods.items():
                 tree = method.tree(hidden[n], verifier[n], int(anchors[n]))
@@ -332,7 +329,7 @@ def tree_offline_metrics(drafter, items: list[dict], block_size: int, methods: d
                 nodes[m] += len(tree)
         if progress is not None:
             progress.update()
-    valid = torch.cat(valids)
+    valid = torch.stack(valids)
     out = {}
     for m, acc in accepted.items():
         reached = torch.tensor(acc, device=device)

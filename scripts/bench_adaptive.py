@@ -9,14 +9,13 @@ autoregressive decoding, the rounds that ran the drafter, and exactness. Target:
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from dflash_pipeline.conf.schema import PolicyConfig, register
+from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
+from dflash_pipeline.conf.schema import PolicyConfig
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import chat_segments
 from dflash_pipeline.eval.decode import autoregressive, speculative
@@ -28,18 +27,11 @@ from dflash_pipeline.train.drafter import drafter_config
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap = measurement_parser(__doc__, prompts=4, threads=1)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. target=tiny")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-
-    register()
-    with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
-        cfg = compose("config", overrides=["drafter.num_layers=2", *args.overrides])
+    cfg = compose_run(["drafter.num_layers=2", *args.overrides])
     target = load_target(cfg.target, cfg.cache_dir)
     tok = target.tokenizer
     convs = load_conversations("mtbench", limit=args.prompts, tokenizer=tok, max_prompt_tokens=512, log=lambda s: None)

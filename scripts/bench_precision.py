@@ -18,15 +18,13 @@ For every dtype, on the run's exported drafter and the same MT-Bench prompts:
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_module
 from transformers import DynamicCache
 
-from dflash_pipeline.conf.schema import register
+from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, ExactnessJudge
@@ -34,11 +32,6 @@ from dflash_pipeline.eval.policies import measure_costs
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.eval.stage import decode_context, load_drafter, load_prompts
 from dflash_pipeline.models.target import load_target
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
-        return compose("config", overrides=overrides, return_hydra_config=True)
 
 
 @torch.no_grad()
@@ -83,21 +76,16 @@ def profile_step(model, context: list[int], top: int = 8) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = measurement_parser(__doc__, prompts=6, threads=2)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--cost-repeats", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides: experiment=... hydra.run.dir=<run folder>")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    register()
     base = [f"eval.num_prompts={args.prompts}", "eval.turns=1", *args.overrides]
     rows, shifts, f32_replies = {}, {}, None
     for dtype in args.dtypes:
-        cfg = compose_cfg([*base, f"target.dtype={dtype}"])
+        cfg = compose_run([*base, f"target.dtype={dtype}"])
         target = load_target(cfg.target, cfg.cache_dir)
         drafter, folder = load_drafter(cfg, Path(cfg.hydra.run.dir) / cfg.trainer.out_dir, target)
         B = cfg.eval.block_size or drafter.config.block_size

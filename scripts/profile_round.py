@@ -12,13 +12,11 @@ the prompts autoregressively and speculatively (chain method) and prints, per to
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
-from hydra import compose, initialize_config_module
 
-from dflash_pipeline.conf.schema import register
+from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, ExactnessJudge
@@ -29,19 +27,11 @@ from dflash_pipeline.models.target import load_target
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=1)
+    ap = measurement_parser(__doc__, prompts=4, threads=1)
     ap.add_argument("--set", default="mtbench")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides: experiment=... hydra.run.dir=<run folder>")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-
-    register()
-    with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
-        cfg = compose("config", overrides=[f"eval.num_prompts={args.prompts}", "eval.turns=1", *args.overrides],
-                      return_hydra_config=True)
+    cfg = compose_run([f"eval.num_prompts={args.prompts}", "eval.turns=1", *args.overrides])
     from pathlib import Path
 
     run_dir = Path(cfg.hydra.run.dir)

@@ -17,7 +17,7 @@ from dflash_pipeline.models.jump import JumpHeads, default_offsets, fill_gaps, g
 from dflash_pipeline.models.jump_head import SeparateJumpHead, choose_head_anchors, head_logits, head_path, \
     jump_head_loss
 from dflash_pipeline.models.selector import PairSelector
-from dflash_pipeline.train.jump_head import JumpHeadMethod, load_jump_head
+from dflash_pipeline.train.jump_head import jump_head_method, load_jump_head
 
 from test_jump import randomise, table_transition
 
@@ -228,7 +228,7 @@ def test_training_learns_what_the_marginals_miss(one_thread):
 def test_check_refuses_sampling_and_another_block_size():
     B, K = 9, 4
     drafter = small_drafter(B)
-    method = JumpHeadMethod(drafter, SeparateJumpHead(H, B, [3, 6], num_heads=2), 0.0, K)
+    method = jump_head_method(drafter, SeparateJumpHead(H, B, [3, 6], num_heads=2), 0.0, K)
     assert method.name == "jump_head"
     method.check(B, 0.0)
     with pytest.raises(ValueError, match="greedily only"):
@@ -241,8 +241,8 @@ def test_check_refuses_sampling_and_another_block_size():
     with pytest.raises(ValueError, match="greedily only"):
         method.sample_path(U[0], torch.randn(1, B, H), 1, 0.7, None)
     with pytest.raises(ValueError, match="same candidates"):
-        JumpHeadMethod(drafter, method.head, 0.0, K, PairSelector(V, H, rank=4, top_k=K + 1))
-    assert JumpHeadMethod(drafter, method.head, 0.0, K, PairSelector(V, H, rank=4, top_k=K)).name == \
+        jump_head_method(drafter, method.module, 0.0, K, PairSelector(V, H, rank=4, top_k=K + 1))
+    assert jump_head_method(drafter, method.module, 0.0, K, PairSelector(V, H, rank=4, top_k=K)).name == \
         "jump_head_selector"
 
 
@@ -299,15 +299,15 @@ def test_component_export_round_trip_gives_identical_drafts(tiny_component, tmp_
         "jump_head_offsets": [2], "jump_head_margin": -1.0, "jump_head_num_heads": 4,
         "jump_head_intermediate_size": 2 * hidden_size, "jump_head_top_k": 4}
     loaded = load_jump_head(folder, comp.drafter)
-    assert loaded.margin == -1.0 and loaded.top_k == 4 and loaded.head.offsets == comp.offsets == [2]
+    assert loaded.settings == {"margin": -1.0} and loaded.top_k == 4 and loaded.module.offsets == comp.offsets == [2]
     made = make_method("jump_head", comp.drafter, {"jump_head": folder})
     selector = PairSelector(comp.drafter.config.vocab_size, comp.drafter.config.hidden_size, rank=8, top_k=4)
     with torch.no_grad():
         selector.successor_codebook.normal_()
     cand, U, hidden, anchors = batch["cand_ids"], batch["U"], batch["hidden"], batch["anchors"]
-    for mine, theirs in [(JumpHeadMethod(comp.drafter, comp.model.eval(), -1.0, 4), loaded),
-                         (JumpHeadMethod(comp.drafter, comp.model, -1.0, 4), made),
-                         (JumpHeadMethod(comp.drafter, comp.model, -1.0, 4, selector),
+    for mine, theirs in [(jump_head_method(comp.drafter, comp.model.eval(), -1.0, 4), loaded),
+                         (jump_head_method(comp.drafter, comp.model, -1.0, 4), made),
+                         (jump_head_method(comp.drafter, comp.model, -1.0, 4, selector),
                           load_jump_head(folder, comp.drafter, selector))]:
         assert mine.name == theirs.name
         drafts = mine.path(cand, U, hidden, anchors)[0]

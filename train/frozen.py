@@ -8,16 +8,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
 
+from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
-from dflash_pipeline.eval.protocol import ChainMethod
+from dflash_pipeline.eval.protocol import ChainMethod, drafter_blocks
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.component import StageInputs, loop_settings
@@ -83,13 +83,8 @@ class FrozenDrafterComponent:
         prev_true (N, B-1) the true token before each position; topk_ids / topk_logprobs and verifier_hidden (N, H)
         when the items have them."""
         d = self.drafter
-        b = pack_blocks(items, block_size=self.block_size, mask_token_id=d.config.mask_token_id,
-                        anchors_per_sequence=anchors_per_sequence, generators=generators)
-        b = {k: v.to(self.device) for k, v in b.items()}
-        hidden = d.forward_packed(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"],
-                                  b["anchor_valid"])
-        keep = b["anchor_valid"]
-        hidden = hidden[keep].float()  # (N, B, H)
+        hidden, b, keep = drafter_blocks(d, items, self.block_size, anchors_per_sequence, generators)
+        hidden = hidden.float()  # (N, B, H)
         logits = d.logits(hidden[:, 1:]).float()
         U, idx = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
         labels, anchors = b["labels"][keep], b["block_ids"][keep][:, 0]
@@ -122,6 +117,14 @@ class FrozenDrafterComponent:
     def summed(stats: list[dict]) -> dict[str, float]:
         """The micro-batches' stats of a logging window added up (each component's train_metrics divides them)."""
         return {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+
+    def scored_rates(self, stats: list[dict], coverage: str, **rates: str) -> dict[str, float]:
+        """Train metrics of a loss that scores only some positions (stats "scored" / "skipped"): `coverage` the
+        scored share of the positions seen, and each rate name = its stat's count over the scored positions."""
+        total = self.summed(stats)
+        scored = max(1.0, total["scored"])
+        return {coverage: total["scored"] / max(1.0, total["scored"] + total["skipped"]),
+                **{name: total[key] / scored for name, key in rates.items()}}
 
     def heldout_metrics(self, model, methods_of) -> dict:
         """Teacher-forced metrics on the held-out sequences of the methods `methods_of(model in eval mode)`
@@ -163,6 +166,27 @@ class FrozenDrafterComponent:
         return folder
 
 
+def offset_head_methods(name: str, load: Callable, load_selector: Callable) -> dict[str, EvalMethod]:
+    """The catalogue entries of an offset-head component: `name` from its export, and `<name>_selector` with the
+    trained selector filling the gaps. load(folder, drafter, selector=None) -> OffsetHeadMethod."""
+    return {
+        name: EvalMethod(lambda m: load(m.exports[name], m.drafter)),
+        f"{name}_selector": EvalMethod(lambda m: load(
+            m.exports[name], m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device)),
+            also_needs=("selector",)),
+    }
+
+
+def load_trained(folder: Path, prefix: str, build: Callable[[dict, dict], torch.nn.Module], device,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict]:
+    """(the trained module, dflash_config) of a component's export: build(config.json, its dflash_config) makes the
+    module, which loads the tensors under `prefix` strictly (safetensors only) and moves to device/dtype, eval mode."""
+    config, tensors = read_export(folder, prefix)
+    module = build(config, config["dflash_config"])
+    module.load_state_dict(tensors, strict=True)
+    return module.to(device=device, dtype=dtype).eval(), config["dflash_config"]
+
+
 def read_export(folder: Path, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, the tensors under `prefix` with it stripped) of a component's export (safetensors only)."""
     from safetensors.torch import load_file
@@ -173,24 +197,27 @@ def read_export(folder: Path, prefix: str) -> tuple[dict, dict[str, torch.Tensor
     return config, tensors
 
 
+# guide(cand_ids, cand_logits, hidden, anchors, transition) -> (drafts (N, P), candidate scorings per block (N,)),
+# given the selector's transition (None: the gaps take the argmax)
+Guide = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
 class OffsetHeadMethod(ChainMethod):
-    """Drafts guided by heads at sparse block offsets (the jump heads, the separate jump head): offsets whose head
-    is confident are fixed at its choice, the gaps take the drafter's argmax or, with a selector, its best path
-    from both neighbours. Greedy only, at the heads' block size only. A subclass brings `guide`."""
+    """Drafts guided by heads at sparse block offsets (the jump heads, the separate jump head: `module`, with its
+    `guide`): offsets whose head is confident are fixed at its choice, the gaps take the drafter's argmax or, with a
+    selector, its best path from both neighbours. Greedy only, at the heads' block size only."""
 
     greedy_only = True
 
-    def __init__(self, drafter, name: str, block_size: int, top_k: int, selector=None):
+    def __init__(self, drafter, name: str, module: torch.nn.Module, top_k: int, guide: Guide, selector=None,
+                 **settings):
         super().__init__(drafter)
-        self.head_block_size, self.top_k, self.selector = block_size, top_k, selector
+        self.module, self.guide, self.settings = module, guide, settings  # settings: what `guide` was built with
+        self.head_block_size, self.top_k, self.selector = module.block_size, top_k, selector
         self.name = name if selector is None else f"{name}_selector"
         if selector is not None and selector.top_k != top_k:
             raise ValueError(f"{self.name} needs the same candidates: selector.top_k={selector.top_k}, "
                              f"{name}.top_k={top_k}")
-
-    def guide(self, cand_ids, cand_logits, hidden, anchors, transition) -> tuple[torch.Tensor, torch.Tensor]:
-        """(drafts (N, P), candidate scorings per block (N,)) given the selector's transition (None: argmax gaps)."""
-        raise NotImplementedError
 
     def check(self, block_size: int, temperature: float) -> None:
         if block_size != self.head_block_size:

@@ -4,8 +4,9 @@ confident ones, and the gaps between fixed tokens take the drafter's argmax (mod
 
 Stage: train/jump/ in the run folder. Export: the drafter's export plus `jump_heads.{projection.weight [r, H],
 offset_embedding.weight [J, r], codebook [V, r]}` and `jump_offsets`, `jump_rank`, `jump_top_k`, `jump_margin`,
-`jump_weight` in `dflash_config`. Eval methods (greedy decoding only; they need the trained block size): jump (gaps take the drafter's argmax) and
-jump_selector (gaps are the trained selector's best path between their fixed neighbours).
+`jump_weight` in `dflash_config`. Eval methods (greedy decoding only; they need the trained block size): jump
+(gaps take the drafter's argmax) and jump_selector (gaps are the trained selector's best path between their fixed
+neighbours).
 """
 from __future__ import annotations
 
@@ -17,10 +18,9 @@ import torch
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
 from dflash_pipeline.models.selector import PairSelector
-from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
-    read_export
+    load_trained, offset_head_methods
 from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_heads."
@@ -69,16 +69,12 @@ class JumpComponent(FrozenDrafterComponent):
                          b["valid"][:, at], weight=self.own.weight, position_weights=weights, **teacher)
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = self.summed(stats)
-        seen = total["scored"] + total["skipped"]
-        return {"candidate_recall": total["scored"] / max(1.0, seen),
-                "jump_acc": total["correct"] / max(1.0, total["scored"]),
-                "marginal_acc": total["correct_marginal"] / max(1.0, total["scored"])}
+        return self.scored_rates(stats, "candidate_recall", jump_acc="correct", marginal_acc="correct_marginal")
 
     def evaluate(self, model) -> dict:
         o = self.own
-        m = self.heldout_metrics(model, lambda heads: {"jump": JumpMethod(self.drafter, heads, o.margin, o.weight,
-                                                                          o.top_k)})
+        m = self.heldout_metrics(model, lambda heads: {"jump": jump_method(self.drafter, heads, o.margin, o.weight,
+                                                                           o.top_k)})
         return self.method_summary(m, "jump")
 
     def export(self, heads, folder: Path) -> Path:
@@ -90,29 +86,23 @@ class JumpComponent(FrozenDrafterComponent):
             {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
 
 
-class JumpMethod(OffsetHeadMethod):
+def jump_method(drafter, heads: JumpHeads, margin: float, weight: float, top_k: int = 16,
+                selector: PairSelector | None = None) -> OffsetHeadMethod:
     """Drafts guided by the jump heads (models/jump.py guided_path: the heads' residual on the candidates, weight
     `weight`, fixed where the top-1/top-2 margin passes `margin`)."""
+    def guide(ids, logits, hidden, anchors, transition):
+        return guided_path(ids, logits, hidden, anchors, heads, margin, weight, transition)
 
-    def __init__(self, drafter, heads: JumpHeads, margin: float, weight: float, top_k: int = 16,
-                 selector: PairSelector | None = None):
-        self.heads, self.margin, self.weight = heads, margin, weight
-        super().__init__(drafter, "jump", heads.block_size, top_k, selector)
-
-    def guide(self, cand_ids, cand_logits, hidden, anchors, transition):
-        return guided_path(cand_ids, cand_logits, hidden, anchors, self.heads, self.margin, self.weight, transition)
+    return OffsetHeadMethod(drafter, "jump", heads, top_k, guide, selector, margin=margin, weight=weight)
 
 
-def load_jump(folder: Path, drafter, selector: PairSelector | None = None) -> JumpMethod:
-    """The jump method of an export written by JumpComponent.export (safetensors + config.json only); with a
-    selector, the gaps between fixed tokens are its best path from both neighbours."""
-    config, tensors = read_export(folder, PREFIX)
-    dc = config["dflash_config"]
-    heads = JumpHeads(config["vocab_size"], config["hidden_size"], config["block_size"], dc["jump_offsets"],
-                      dc["jump_rank"])
-    heads.load_state_dict(tensors, strict=True)
-    heads.to(drafter.norm.weight.device).eval()
-    return JumpMethod(drafter, heads, dc["jump_margin"], dc["jump_weight"], dc["jump_top_k"], selector)
+def load_jump(folder: Path, drafter, selector: PairSelector | None = None) -> OffsetHeadMethod:
+    """The jump method of an export written by JumpComponent.export; with a selector, the gaps between fixed tokens
+    are its best path from both neighbours."""
+    heads, dc = load_trained(folder, PREFIX, lambda c, dc: JumpHeads(c["vocab_size"], c["hidden_size"],
+                                                                     c["block_size"], dc["jump_offsets"],
+                                                                     dc["jump_rank"]), drafter.norm.weight.device)
+    return jump_method(drafter, heads, dc["jump_margin"], dc["jump_weight"], dc["jump_top_k"], selector)
 
 
 # The catalogue entry (conf/catalogue.py).
@@ -120,10 +110,4 @@ CONFIG = JumpConfig
 SECTIONS = ("jump",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = JumpComponent
-METHODS = {
-    "jump": EvalMethod(lambda m: load_jump(m.exports["jump"], m.drafter)),
-    # gaps filled by the trained selector's walk from both neighbours instead of the argmax
-    "jump_selector": EvalMethod(lambda m: load_jump(
-        m.exports["jump"], m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device)),
-        also_needs=("selector",)),
-}
+METHODS = offset_head_methods("jump", load_jump, load_selector)  # jump, jump_selector (gaps: the selector's walk)

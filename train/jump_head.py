@@ -21,10 +21,9 @@ from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.models.jump import default_offsets
 from dflash_pipeline.models.jump_head import SeparateJumpHead, head_path, jump_head_loss
 from dflash_pipeline.models.selector import PairSelector
-from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
-    read_export
+    load_trained, offset_head_methods
 from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_head."
@@ -70,15 +69,11 @@ class JumpHeadComponent(FrozenDrafterComponent):
                               marginal_ids=b["cand_ids"][:, at, 0])
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = self.summed(stats)
-        seen = total["scored"] + total["skipped"]
-        return {"vocab_coverage": total["scored"] / max(1.0, seen),
-                "head_acc": total["correct"] / max(1.0, total["scored"]),
-                "marginal_acc": total["correct_marginal"] / max(1.0, total["scored"])}
+        return self.scored_rates(stats, "vocab_coverage", head_acc="correct", marginal_acc="correct_marginal")
 
     def evaluate(self, model) -> dict:
-        m = self.heldout_metrics(model, lambda head: {"jump_head": JumpHeadMethod(self.drafter, head, self.own.margin,
-                                                                                  self.own.top_k)})
+        m = self.heldout_metrics(model, lambda head: {"jump_head": jump_head_method(self.drafter, head, self.own.margin,
+                                                                                    self.own.top_k)})
         return self.method_summary(m, "jump_head")
 
     def export(self, head, folder: Path) -> Path:
@@ -90,29 +85,23 @@ class JumpHeadComponent(FrozenDrafterComponent):
             {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
 
 
-class JumpHeadMethod(OffsetHeadMethod):
-    """Drafts guided by the separate head (models/jump_head.py head_path: fixed at its argmax where its margin passes
-    `margin`), the gaps filled as for `jump`."""
+def jump_head_method(drafter, head: SeparateJumpHead, margin: float, top_k: int = 16,
+                     selector: PairSelector | None = None) -> OffsetHeadMethod:
+    """Drafts guided by the separate head (models/jump_head.py head_path: fixed at its argmax where its margin
+    passes `margin`), the gaps filled as for `jump`."""
+    def guide(ids, logits, hidden, anchors, transition):
+        return head_path(ids, logits, hidden, anchors, head, drafter, margin, transition)
 
-    def __init__(self, drafter, head: SeparateJumpHead, margin: float, top_k: int = 16,
-                 selector: PairSelector | None = None):
-        self.head, self.margin = head, margin
-        super().__init__(drafter, "jump_head", head.block_size, top_k, selector)
-
-    def guide(self, cand_ids, cand_logits, hidden, anchors, transition):
-        return head_path(cand_ids, cand_logits, hidden, anchors, self.head, self.drafter, self.margin, transition)
+    return OffsetHeadMethod(drafter, "jump_head", head, top_k, guide, selector, margin=margin)
 
 
-def load_jump_head(folder: Path, drafter, selector: PairSelector | None = None) -> JumpHeadMethod:
-    """The jump_head method of an export written by JumpHeadComponent.export (safetensors + config.json only); with a
-    selector, the gaps between fixed tokens are its best path from both neighbours."""
-    config, tensors = read_export(folder, PREFIX)
-    dc = config["dflash_config"]
-    head = SeparateJumpHead(config["hidden_size"], config["block_size"], dc["jump_head_offsets"],
-                            dc["jump_head_num_heads"], dc["jump_head_intermediate_size"], config["rms_norm_eps"])
-    head.load_state_dict(tensors, strict=True)
-    head.to(drafter.norm.weight.device).eval()
-    return JumpHeadMethod(drafter, head, dc["jump_head_margin"], dc["jump_head_top_k"], selector)
+def load_jump_head(folder: Path, drafter, selector: PairSelector | None = None) -> OffsetHeadMethod:
+    """The jump_head method of an export written by JumpHeadComponent.export; with a selector, the gaps between
+    fixed tokens are its best path from both neighbours."""
+    head, dc = load_trained(folder, PREFIX, lambda c, dc: SeparateJumpHead(
+        c["hidden_size"], c["block_size"], dc["jump_head_offsets"], dc["jump_head_num_heads"],
+        dc["jump_head_intermediate_size"], c["rms_norm_eps"]), drafter.norm.weight.device)
+    return jump_head_method(drafter, head, dc["jump_head_margin"], dc["jump_head_top_k"], selector)
 
 
 # The catalogue entry (conf/catalogue.py).
@@ -120,10 +109,4 @@ CONFIG = JumpHeadConfig
 SECTIONS = ("jump_head",)
 INPUTS = ("teacher", "drafter")
 COMPONENT = JumpHeadComponent
-METHODS = {
-    "jump_head": EvalMethod(lambda m: load_jump_head(m.exports["jump_head"], m.drafter)),
-    # gaps filled by the trained selector's walk from both neighbours instead of the argmax
-    "jump_head_selector": EvalMethod(lambda m: load_jump_head(
-        m.exports["jump_head"], m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device)),
-        also_needs=("selector",)),
-}
+METHODS = offset_head_methods("jump_head", load_jump_head, load_selector)  # jump_head, jump_head_selector

@@ -21,7 +21,7 @@ from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.policies import MiddleOutMethod
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.conf.catalogue import EvalMethod
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, read_export
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained
 
 PREFIX = "candidate_selector."
 
@@ -52,11 +52,8 @@ class SelectorComponent(FrozenDrafterComponent):
                              batch["labels"], batch["valid"], self.position_weights(batch))
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = self.summed(stats)
-        seen = total["scored"] + total["skipped"]
-        return {"candidate_recall": total["scored"] / max(1.0, seen),
-                "selector_acc": total["selector_correct"] / max(1.0, total["scored"]),
-                "marginal_acc": total["marginal_correct"] / max(1.0, total["scored"])}
+        return self.scored_rates(stats, "candidate_recall", selector_acc="selector_correct",
+                                 marginal_acc="marginal_correct")
 
     def evaluate(self, model) -> dict:
         """Teacher-forced on the held-out sequences: the greedy and Viterbi paths against the chain's and the
@@ -74,11 +71,9 @@ class SelectorComponent(FrozenDrafterComponent):
 
 def load_selector(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> PairSelector:
     """The selector of an export written by SelectorComponent.export (safetensors + config.json only)."""
-    config, tensors = read_export(folder, PREFIX)
-    dc = config["dflash_config"]
-    selector = PairSelector(config["vocab_size"], config["hidden_size"], dc["selector_rank"], dc["selector_top_k"])
-    selector.load_state_dict(tensors, strict=True)
-    return selector.to(device=device, dtype=dtype).eval()
+    return load_trained(folder, PREFIX, lambda c, dc: PairSelector(c["vocab_size"], c["hidden_size"],
+                                                                  dc["selector_rank"], dc["selector_top_k"]),
+                        device, dtype)[0]
 
 
 class SelectorMethod(ChainMethod):

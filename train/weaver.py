@@ -24,12 +24,12 @@ import torch
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.data.splits import anchor_generators
 from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
-from dflash_pipeline.eval.tree import TreeMethod, build_tree, ddtree_of_logits, walk
+from dflash_pipeline.eval.tree import DDTreeMethod, TreeMethod, build_tree, tree_offline_metrics
 from dflash_pipeline.models.generation import capture
 from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, read_export
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained
 
 PREFIX = "weaver."
 log = logging.getLogger(__name__)
@@ -121,12 +121,12 @@ class WeaverComponent(FrozenDrafterComponent):
     def evaluate(self, weaver) -> dict:
         """Teacher-forced on the held-out sequences (every anchor): the Weaver's greedy path (a_k, tau_offline)
         against the drafter's, how often the true token is outside the pool; and on the first eval_blocks blocks,
-        the accepted length of the Weaver tree and of DDTree at eval_budget nodes, walked along the true tokens."""
+        the tau_offline of the Weaver tree and of DDTree at eval_budget nodes (tree_offline_metrics)."""
         was_training = weaver.training
         weaver.eval()
-        corrects, marginals, valids, hits, trees = [], [], [], [], {"weaver_tree": [], "ddtree": []}
-        budget, kept = self.own.eval_budget, 0
-        for it in self.heldout_items():
+        corrects, marginals, valids, hits = [], [], [], []
+        items = self.heldout_items()
+        for it in items:
             b = self.drafter_outputs([it], self.own.top_k, None)
             logp = torch.cat([self.forward_chain(weaver, {k: v[i:i + 32] for k, v in b.items()})
                               for i in range(0, b["anchors"].shape[0], 32)])  # the pool rows of 32 blocks at a time
@@ -135,24 +135,17 @@ class WeaverComponent(FrozenDrafterComponent):
             marginals.append(b["cand_ids"][..., 0] == b["labels"])
             valids.append(b["valid"])
             hits.append((b["cand_ids"] == b["labels"][..., None]).any(-1)[b["valid"]])
-            for n in range(b["anchors"].shape[0]):
-                if kept >= self.own.eval_blocks:
-                    break
-                kept += 1
-                truth = b["labels"][n][b["valid"][n].long().cumprod(0).bool()].tolist()
-                tree = weaver_tree(weaver, self.drafter, b["verifier_hidden"][n], b["hidden"][n],
-                                   int(b["anchors"][n]), budget, self.own.children)
-                trees["weaver_tree"].append(len(walk(tree, truth)))
-                trees["ddtree"].append(len(walk(ddtree_of_logits(self.drafter.logits(b["hidden"][n, 1:]).float(),
-                                                                 self.drafter, budget), truth)))
+        budget = self.own.eval_budget
+        trees = tree_offline_metrics(self.drafter, items, self.block_size, {
+            "weaver_tree": WeaverTreeMethod(self.drafter, weaver, budget, self.own.children),
+            "ddtree": DDTreeMethod(self.drafter, budget)}, max_blocks=self.own.eval_blocks)
         weaver.train(was_training)
         valid = torch.cat(valids)
         a, _ = conditional_acceptance(torch.cat(corrects), valid)
         chain, _ = conditional_acceptance(torch.cat(marginals), valid)
         out = {"a_k": a, "tau_offline": simulated_tau(a), "chain_tau_offline": simulated_tau(chain),
                "pool_miss": 1 - float(torch.cat(hits).float().mean())}
-        for name, accepted in trees.items():
-            out[f"{name}_tau@{budget}"] = 1 + sum(accepted) / max(1, len(accepted))
+        out.update({f"{name}_tau@{budget}": m["tau_offline"] for name, m in trees.items()})
         return out
 
     def export(self, weaver, folder: Path) -> Path:
@@ -164,10 +157,7 @@ class WeaverComponent(FrozenDrafterComponent):
 
 def load_weaver(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> Weaver:
     """The Weaver of an export written by WeaverComponent.export (safetensors + config.json only)."""
-    config, tensors = read_export(folder, PREFIX)
-    weaver = Weaver(**config["dflash_config"]["weaver"])
-    weaver.load_state_dict(tensors, strict=True)
-    return weaver.to(device=device, dtype=dtype).eval()
+    return load_trained(folder, PREFIX, lambda c, dc: Weaver(**dc["weaver"]), device, dtype)[0]
 
 
 @torch.no_grad()
