@@ -1,0 +1,79 @@
+"""The package's layering, read from its import statements (those inside functions included): no two modules import
+each other, directly or in a circle, and eval/ imports nothing from train/ (it reaches the components through the
+catalogue, which loads them by name)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = ("conf", "data", "models", "train", "eval")
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {f"{p}.{f.stem}" if f.stem != "__init__" else p: f for p in PACKAGES for f in (ROOT / p).glob("*.py")}
+    graph = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_pipeline."):
+                base = node.module.removeprefix("dflash_pipeline.")
+                for alias in node.names:  # `from dflash_pipeline.conf import catalogue` names a module
+                    target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    if target in modules and target != name:
+                        graph[name].add(target)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = alias.name.removeprefix("dflash_pipeline.")
+                    if target in modules and target != name:
+                        graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_the_check_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_eval_imports_nothing_from_train():
+    graph = import_graph()
+    wrong = {m: sorted(t for t in targets if t.startswith("train")) for m, targets in graph.items()
+             if m.startswith("eval")}
+    assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_the_method_protocol_imports_nothing_above_models_and_data():
+    assert all(t.split(".")[0] in ("models", "data") for t in import_graph()["eval.protocol"])
