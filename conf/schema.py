@@ -68,6 +68,12 @@ class Capture(Choice):
     separate = "separate"
 
 
+class TeacherMode(Choice):
+    regenerate = "regenerate"
+    prefill = "prefill"
+    mixed = "mixed"
+
+
 class DrafterInit(Choice):
     random = "random"
     target = "target"
@@ -188,6 +194,11 @@ class TeacherConfig:
     shard_size: int = ranged(64, ge=1)  # samples per shard
     feature_dtype: DType = DType.bfloat16
     topk_logprobs: int = ranged(0, ge=0)  # >0: also store the target's top-k log-probs per position (distillation)
+    # regenerate: the target writes every reply (one decode step per token); prefill: the dataset's own replies, each
+    # token labelled with the target's greedy choice after the dataset's prefix, in one prefill per sequence; mixed:
+    # data.num_samples regenerated and teacher.prefill_samples more conversations prefilled (held out: regenerated)
+    mode: TeacherMode = TeacherMode.regenerate
+    prefill_samples: int = ranged(0, ge=0)  # mixed: conversations prefilled besides the regenerated ones
 
 
 @dataclass

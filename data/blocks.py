@@ -64,7 +64,7 @@ def pack_blocks(items: list[dict], *, block_size: int, mask_token_id: int, ancho
         pos = anchors[:, None] + offsets  # (na, B-1) positions of the labels
         inside = pos < n
         pos = pos.clamp(max=n - 1)
-        out["labels"][b, :na] = ids[pos]
+        out["labels"][b, :na] = it["targets"].long()[pos] if "targets" in it else ids[pos]
         out["label_valid"][b, :na] = inside & mask[pos]
         if topk:
             out["topk_ids"][b, :na] = it["topk_ids"][pos].long()

@@ -55,6 +55,8 @@ def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: to
         "features": torch.cat([s["features"] for s in samples]).to(feature_dtype).contiguous(),
         "offsets": offsets,
     }
+    if "targets" in samples[0]:  # teacher.mode prefill / mixed: the label of each token (data/teacher.py)
+        tensors["targets"] = torch.cat([torch.as_tensor(s["targets"], dtype=torch.int32) for s in samples])
     if "topk_ids" in samples[0]:
         tensors["topk_ids"] = torch.cat([s["topk_ids"] for s in samples]).to(torch.int32)
         tensors["topk_logprobs"] = torch.cat([s["topk_logprobs"] for s in samples]).float()

@@ -16,14 +16,21 @@ def step_seed(*parts) -> int:
     return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
 
 
+PREFILLED = "prefill:"  # the id prefix of a sample whose replies are the dataset's own (data/teacher.py)
+
+
 def split_heldout(ids: list[str], num_heldout: int, num_train: int | None = None) -> tuple[list[int], list[int]]:
     """Deterministic train / held-out indices by id hash: the same samples are held out on every run.
 
     num_train: train on only the next num_train samples in hash order (None: all the rest). Smaller subsets are
-    nested in larger ones and share the held-out split, which is what a data-scaling curve compares."""
+    nested in larger ones and share the held-out split, which is what a data-scaling curve compares. Samples the
+    target regenerated are held out before prefilled ones (ids starting "prefill:", teacher.mode=mixed): held-out
+    metrics then measure what decoding meets, the target's own replies."""
     order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())
+    order = [i for i in order if not ids[i].startswith(PREFILLED)] + [i for i in order if ids[i].startswith(PREFILLED)]
     held = sorted(order[:num_heldout])
-    rest = order[num_heldout:] if num_train is None else order[num_heldout: num_heldout + num_train]
+    rest = sorted(order[num_heldout:], key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())
+    rest = rest if num_train is None else rest[:num_train]
     return sorted(rest), held
 
 

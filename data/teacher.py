@@ -10,6 +10,12 @@ replaced a separate right-padded prefill pass over the finished sequences (`sepa
 40% of teacher time while keeping the taps costs ~3% (scripts/bench_teacher.py). `separate` gives features that
 are bit-identical however samples are batched; `during` matches them to float rounding (tested).
 
+teacher.mode=prefill takes the dataset's own assistant replies instead: one prefill per sequence gives the features
+and, at every token, the target's greedy choice after the dataset's prefix, which becomes that token's label
+(`targets`) in place of the human token; mixed regenerates data.num_samples conversations and prefills
+teacher.prefill_samples more. A prefill costs about one decode step for a whole sequence, regeneration one per
+token. Prefilled samples' ids start with "prefill:"; held-out splits take regenerated samples first.
+
 Work is planned up front (the ordered samples of every shard, sorted by prompt length so batches carry little
 padding) and written shard by shard; a killed run, started again, skips completed shards and redoes the one in
 progress, so the result is the same dataset an uninterrupted run writes.
@@ -31,6 +37,7 @@ from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, write_shard
 from dflash_pipeline.data.sources import load_conversations
+from dflash_pipeline.data.splits import PREFILLED
 from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs
 from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
 
@@ -58,6 +65,50 @@ def chat_segments(tokenizer, messages: list[dict], max_turns: int) -> list[list[
         head, rest = rest.split(f"@@REPLY{k}@@", 1)
         pieces.append(head)
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in pieces]
+
+
+def chat_with_replies(tokenizer, messages: list[dict], max_turns: int, max_reply_tokens: int
+                      ) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a conversation with its own assistant replies (at most max_turns, each cut to
+    max_reply_tokens tokens) in the template text regeneration uses (chat_segments); the mask marks the replies."""
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    ids, mask = [], []
+    for segment, reply in zip(chat_segments(tokenizer, messages, max_turns), replies):
+        tokens = tokenizer(reply, add_special_tokens=False)["input_ids"][:max_reply_tokens]
+        ids += segment + tokens
+        mask += [0] * len(segment) + [1] * len(tokens)
+    return ids, mask
+
+
+def prefill_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_ids: list[int]) -> list[dict]:
+    """Samples of `convs` with their own replies: features and the target's top-k captured in one prefill per
+    sequence; `targets` at each token is the target's greedy choice there (the label training uses)."""
+    t, tok = cfg.teacher, target.tokenizer
+    samples = []
+    for c in convs:
+        ids, mask = chat_with_replies(tok, c["messages"], t.max_turns, t.max_new_tokens)
+        samples.append({"id": PREFILLED + c["id"], "input_ids": ids, "loss_mask": mask,
+                        "num_turns": min(t.max_turns, sum(m["role"] == "assistant" for m in c["messages"]))})
+    outs = capture_batched(target.model, [s["input_ids"] for s in samples], layer_ids, pad_id=tok.pad_token_id,
+                           max_tokens=t.capture_batch_tokens, topk=t.topk_logprobs, final=True)
+    for s, o in zip(samples, outs):
+        final = o.pop("final_hidden")
+        s.update(o)
+        s["targets"] = greedy_labels(target.model, final, s["input_ids"], s["loss_mask"])
+    return samples
+
+
+@torch.no_grad()
+def greedy_labels(model, final_hidden: torch.Tensor, ids: list[int], mask: list[int], chunk: int = 256) -> list[int]:
+    """Each masked token replaced by the target's greedy choice at its position (the LM head on the row before it:
+    only those rows, in chunks, so no (T, V) logits of the prompt are made); unmasked tokens kept."""
+    out = list(ids)
+    where = [t for t in range(1, len(ids)) if mask[t]]
+    for i in range(0, len(where), chunk):
+        rows = torch.tensor(where[i: i + chunk], device=final_hidden.device)
+        for t, best in zip(where[i: i + chunk], model.lm_head(final_hidden[rows - 1]).argmax(-1).tolist()):
+            out[t] = best
+    return out
 
 
 def sample_seed(seed: int, sample_id: str, turn: int) -> int:
@@ -146,10 +197,21 @@ def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg:
 
 def teacher_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_ids: list[int],
                     progress: Progress | None = None) -> list[dict]:
-    """The finished samples of `convs` (one shard): regenerated replies, loss masks, features (teacher.capture)."""
+    """The finished samples of `convs` (one shard): regenerated replies, loss masks, features (teacher.capture),
+    and for conversations marked "prefill" (teacher.mode prefill / mixed) their own replies, prefilled. With any
+    prefilled sample in the dataset, every sample carries `targets` (a regenerated one: its own tokens)."""
+    regen = [c for c in convs if not c.get("prefill")]
     during = layer_ids if cfg.teacher.capture == "during" else None
-    samples = regenerate(target, convs, cfg, cfg.seed, progress, during)
+    samples = regenerate(target, regen, cfg, cfg.seed, progress, during) if regen else []
     add_features(target, samples, layer_ids, cfg)
+    prefilled = [c for c in convs if c.get("prefill")]
+    if prefilled:
+        samples += prefill_samples(target, prefilled, cfg, layer_ids)
+        if progress is not None:
+            progress.update(len(prefilled))
+    if cfg.teacher.mode != "regenerate":
+        for s in samples:
+            s.setdefault("targets", list(s["input_ids"]))
     return samples
 
 
@@ -208,6 +270,31 @@ def teacher_and_target(cfg: DictConfig, data_dir: Path) -> tuple[TeacherDataset,
     return data, target
 
 
+def teacher_conversations(cfg: DictConfig, target: Target, note) -> list[dict]:
+    """The conversations of the dataset, in source order; those whose own replies are prefilled marked "prefill"
+    (teacher.mode=prefill: all of them; mixed: teacher.prefill_samples after the data.num_samples regenerated)."""
+    d, t = cfg.data, cfg.teacher
+    extra = t.prefill_samples if t.mode == "mixed" else 0
+    if t.mode == "mixed" and not extra:
+        raise DatasetError("teacher.mode=mixed prefills teacher.prefill_samples conversations besides the "
+                           "regenerated ones: set teacher.prefill_samples > 0")
+    limit = None if d.num_samples is None else d.num_samples + extra
+    convs = load_conversations(d.source, path=d.path, name=d.name, split=d.split,
+                               heldout_fraction=d.heldout_fraction, limit=limit, skip=d.skip,
+                               tokenizer=target.tokenizer, max_prompt_tokens=d.max_prompt_tokens, log=note)
+    first = {"regenerate": len(convs), "prefill": 0, "mixed": len(convs) - extra}[str(t.mode)]
+    for i, c in enumerate(convs):
+        c["prefill"] = i >= first
+    if t.mode != "regenerate":
+        without = sum(c["prefill"] and not any(m["role"] == "assistant" for m in c["messages"]) for c in convs)
+        if without == sum(c["prefill"] for c in convs):
+            raise DatasetError(f"teacher.mode={t.mode}: the {d.source} conversations have no assistant replies to "
+                               "prefill (a prompt-only source); use teacher.mode=regenerate")
+        if without:
+            note(f"{without} conversations to prefill have no assistant reply: they add no training tokens")
+    return convs
+
+
 def run_teacher(cfg: DictConfig, out: Path) -> Path:
     """Build (or finish) the teacher dataset of `cfg` in folder `out`; returns `out`."""
     check_config(cfg)
@@ -230,10 +317,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
         notes.append(msg)
         log.info(msg)
 
-    d = cfg.data
-    convs = load_conversations(d.source, path=d.path, name=d.name, split=d.split,
-                               heldout_fraction=d.heldout_fraction, limit=d.num_samples, skip=d.skip,
-                               tokenizer=target.tokenizer, max_prompt_tokens=d.max_prompt_tokens, log=note)
+    convs = teacher_conversations(cfg, target, note)
     target.model.to(state.device)
     shards = plan_shards(target, convs, cfg.teacher.shard_size)
     plan = {"config_hash": digest, "config": config, "target_dtype": target.dtype,
@@ -282,6 +366,8 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
             "layer_ids": layer_ids,
             "feature_dtype": cfg.teacher.feature_dtype,
             "topk_logprobs": cfg.teacher.topk_logprobs,
+            "mode": str(cfg.teacher.mode),
+            "num_prefilled": sum(c["prefill"] for c in convs),
             "num_samples": sum(r["num_samples"] for r in records),
             "num_tokens": sum(r["num_tokens"] for r in records),
             "num_loss_tokens": sum(r["num_loss_tokens"] for r in records),

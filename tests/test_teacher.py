@@ -361,3 +361,52 @@ def test_stored_topk_logprobs_are_the_targets_log_softmax_topk(tiny_target):
     assert not out["topk_logprobs"][0].any() and not out["topk_ids"][0].any()
     torch.testing.assert_close(out["topk_logprobs"][1:], ref_vals)
     assert torch.equal(out["topk_ids"][1:], ref_ids)
+
+
+# -- teacher.mode prefill / mixed --------------------------------------------------------------------------------
+def test_mixed_teacher_prefills_the_datasets_replies_labelled_by_the_target(tiny_target, tmp_path):
+    """teacher.mode=mixed: the first data.num_samples conversations regenerated, teacher.prefill_samples more with
+    their own replies; a prefilled token's label is the target's greedy choice after the dataset's prefix, a
+    regenerated one's its own token; held-out samples are regenerated ones; blocks train on the labels."""
+    from dflash_pipeline.data.blocks import pack_blocks
+    from dflash_pipeline.data.splits import split_heldout
+    from dflash_pipeline.data.sources import load_conversations
+    from dflash_pipeline.data.teacher import chat_with_replies
+
+    cfg = make_config("teacher.mode=mixed", "teacher.prefill_samples=4", "data.num_samples=4")
+    data = TeacherDataset(run_teacher(cfg, tmp_path / "teacher"))
+    assert data.manifest["mode"] == "mixed" and data.manifest["num_prefilled"] == 4
+    prefilled = [i for i, s in enumerate(data.ids) if s.startswith("prefill:")]
+    assert len(prefilled) == 4 and len(data) == 8
+    convs = {c["id"]: c for c in load_conversations("sharegpt", limit=8, tokenizer=tiny_target.tokenizer,
+                                                     max_prompt_tokens=cfg.data.max_prompt_tokens, log=lambda s: 0)}
+    model = tiny_target.model
+    for i in range(len(data)):
+        it = data[i]
+        ids, mask = it["input_ids"].long(), it["loss_mask"].bool()
+        if i in prefilled:  # the dataset's own reply tokens, labelled with the target's argmax
+            conv = convs[data.ids[i].removeprefix("prefill:")]
+            expect = chat_with_replies(tiny_target.tokenizer, conv["messages"], cfg.teacher.max_turns,
+                                       cfg.teacher.max_new_tokens)
+            assert ids.tolist() == expect[0] and mask.tolist() == [bool(m) for m in expect[1]]
+            with torch.no_grad():
+                greedy = model(input_ids=ids[None]).logits[0].argmax(-1)  # row t predicts token t + 1
+            assert torch.equal(it["targets"].long()[1:][mask[1:]], greedy[:-1][mask[1:]])
+            assert torch.equal(it["targets"].long()[~mask], ids[~mask])
+            assert not torch.equal(it["targets"].long()[mask], ids[mask])  # not the human tokens
+        else:
+            assert torch.equal(it["targets"].long(), ids)
+    _, held = split_heldout(data.ids, 3)
+    assert not set(held) & set(prefilled)
+    item = data[prefilled[0]]
+    b = pack_blocks([item], block_size=4, mask_token_id=0, anchors_per_sequence=None)
+    pos = b["anchor_pos"][0][b["anchor_valid"][0]][:, None] + torch.arange(1, 4)
+    labels = b["labels"][0][b["anchor_valid"][0]]
+    inside = pos < len(item["input_ids"])
+    assert torch.equal(labels[inside], item["targets"].long()[pos[inside]])
+
+
+def test_prefill_of_a_prompt_only_source_is_one_line(tmp_path):
+    with pytest.raises(DatasetError, match="no assistant replies to prefill .*teacher.mode=regenerate"):
+        run_teacher(make_config("teacher.mode=prefill", "data.source=mtbench", "data.split=all"), tmp_path / "t")
+    assert not (tmp_path / "t").exists()
