@@ -217,9 +217,11 @@ def teacher_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_id
 
 # -- the stage -------------------------------------------------------------------------------------------------
 def plan_shards(target: Target, convs: list[dict], shard_size: int) -> list[list[int]]:
-    """Conversation indices per shard, in order of first-prompt length (stable): the bucketing order."""
+    """Conversation indices per shard, in order of first-prompt length (stable): the bucketing order. Conversations
+    to regenerate come before those to prefill, so regeneration batches stay full instead of being split over every
+    shard."""
     lengths = [len(chat_segments(target.tokenizer, c["messages"], 1)[0]) for c in convs]
-    order = sorted(range(len(convs)), key=lambda i: lengths[i])
+    order = sorted(range(len(convs)), key=lambda i: (bool(convs[i].get("prefill")), lengths[i]))
     return [order[i: i + shard_size] for i in range(0, len(order), shard_size)]
 
 

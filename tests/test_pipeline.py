@@ -32,11 +32,13 @@ def test_qwen3_8b_is_the_paper_scale_recipe():
 
 @pytest.mark.parametrize("name", ["smollm2_quick", "smollm2_ref"])
 def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
-    cfg = make_config(f"experiment={name}", "data.num_samples=3", "teacher.max_new_tokens=6", "trainer.steps=1",
-                      "trainer.heldout_samples=1", "trainer.batch_sequences=2", "logger=none")
+    cfg = make_config(f"experiment={name}", "data.num_samples=3", "teacher.prefill_samples=2",
+                      "teacher.max_new_tokens=6", "trainer.steps=1", "trainer.heldout_samples=1",
+                      "trainer.batch_sequences=2", "logger=none")
     out = run_stages(cfg, tmp_path, ["teacher", "train"])
     manifest = json.loads((out["teacher"] / "manifest.json").read_text())
-    assert manifest["layer_ids"] == [1, 8, 14, 20, 27] and manifest["num_samples"] == 3
+    assert manifest["layer_ids"] == [1, 8, 14, 20, 27]
+    assert manifest["num_samples"] == 3 + manifest.get("num_prefilled", 0)  # smollm2_quick: mixed
     assert (out["train"] / "export" / "model.safetensors").is_file()
 
 
