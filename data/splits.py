@@ -27,11 +27,12 @@ def split_heldout(ids: list[str], num_heldout: int, num_train: int | None = None
     target regenerated are held out before prefilled ones (ids starting "prefill:", teacher.mode=mixed): held-out
     metrics then measure what decoding meets, the target's own replies."""
     order = sorted(range(len(ids)), key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())
-    order = [i for i in order if not ids[i].startswith(PREFILLED)] + [i for i in order if ids[i].startswith(PREFILLED)]
-    held = sorted(order[:num_heldout])
-    rest = sorted(order[num_heldout:], key=lambda i: hashlib.sha256(ids[i].encode()).hexdigest())
+    candidates = [i for i in order if not ids[i].startswith(PREFILLED)] + \
+        [i for i in order if ids[i].startswith(PREFILLED)]
+    held = set(candidates[:num_heldout])
+    rest = [i for i in order if i not in held]
     rest = rest if num_train is None else rest[:num_train]
-    return sorted(rest), held
+    return sorted(rest), sorted(held)
 
 
 @functools.lru_cache(maxsize=4)

@@ -238,7 +238,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
         if temperature <= 0:
             check_passes(judge, passes, strict, near_ties, mismatches)
         runs.append(passes)
-    res = online_metrics(runs, block_size, temperature, target.dtype, costs)
+    res = online_metrics(runs, block_size, target.dtype, costs)
     res.update({"exact": (not mismatches) if temperature <= 0 else None,  # None: not defined when sampling
                 "mismatches": mismatches,  # wrong outputs (recorded with eval.strict_exact=false; raised otherwise)
                 # reduced precision: outputs that diverged at a near-tie (eval/exactness.py), and counts per kind
@@ -253,8 +253,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     return res
 
 
-def online_metrics(runs: list[Passes], block_size: int, temperature: float, target_dtype: str,
-                   costs: EvalContext | None) -> dict:
+def online_metrics(runs: list[Passes], block_size: int, target_dtype: str, costs: EvalContext | None) -> dict:
     """The online metrics of an eval set from its passes: acceptance over the first speculative run of the first
     repeat of each prompt (up to a near-tie divergence), times as medians over every timed run."""
     first = [r for r in runs if r.repeat == 0]

@@ -315,12 +315,13 @@ def tree_offline_metrics(drafter, items: list[dict], block_size: int, methods: d
     nodes: dict[str, int] = {m: 0 for m in methods}
     valids = []
     for it in items:
+        if max_blocks is not None and len(valids) >= max_blocks:
+            break  # no drafter forward for items past the limit
         hidden, b, keep = drafter_blocks(drafter, [it], block_size)
         labels, valid = b["labels"][keep], b["label_valid"][keep]
         verifier, anchors = b["verifier_hidden"][keep].to(hidden.dtype), b["block_ids"][keep][:, 0]
-        for n in range(hidden.shape[0]):
-            if max_blocks is not None and len(valids) >= max_blocks:
-                break
+        room = hidden.shape[0] if max_blocks is None else min(hidden.shape[0], max_blocks - len(valids))
+        for n in range(room):
             valids.append(valid[n])
             truth = labels[n][valid[n].long().cumprod(0).bool()].tolist()
             for m, method in methods.items():

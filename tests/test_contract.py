@@ -70,8 +70,8 @@ def varying(tmp_path_factory):
     references = [autoregressive(target, p, NEW_TOKENS)[0] for p in prompts]
     # offline metrics on the target's own replies, their final hidden states included (the tree methods use them)
     heldout = reply_items(target, list(drafter.config.target_layer_ids), list(zip(prompts, references)), final=True)
-    yield SimpleNamespace(cfg=cfg, teacher=teacher, train=train, target=target, drafter=drafter, methods=methods, heldout=heldout, prompts=prompts,
-                          references=references, block=drafter.config.block_size, accepted={})
+    yield SimpleNamespace(cfg=cfg, teacher=teacher, train=train, target=target, drafter=drafter, methods=methods,
+                          heldout=heldout, prompts=prompts, references=references, block=drafter.config.block_size)
     torch.set_num_threads(before)
 
 
@@ -165,16 +165,15 @@ def sampling(tmp_path_factory):
     drafter.set_draft_vocab(torch.tensor([0, 2, 3, 5]))
     root = tmp_path_factory.mktemp("sampling")
     drafter.save_pretrained(str(root / "drafter"))
-    exports = {}
+    exports, configs = {}, {}
     for name, (fresh, settings) in FRESH.items():
-        config = OmegaConf.merge(OmegaConf.structured(catalogue.module(name).CONFIG), settings)
-        comp = catalogue.module(name).COMPONENT.__new__(catalogue.module(name).COMPONENT)
+        mod = catalogue.module(name)
+        configs[name] = config = OmegaConf.merge(OmegaConf.structured(mod.CONFIG), settings)
+        comp = mod.COMPONENT.__new__(mod.COMPONENT)
         comp.drafter_dir, comp.own, comp.settings = root / "drafter", config, SimpleNamespace(steps=0)
         exports[name] = comp.export(fresh(drafter, config).eval(), root / name)  # the component's own export
     return SimpleNamespace(target=tgt, drafter=drafter, prompt=prompt, joint=joint, V=V, exports=exports,
-                           configs={name: OmegaConf.merge(OmegaConf.structured(catalogue.module(name).CONFIG), s)
-                                    for name, (_, s) in FRESH.items()})
-
+                           configs=configs)
 
 @pytest.mark.parametrize("name", [name for name, _ in CASES])
 def test_sampling_keeps_the_target_distribution_or_is_refused(sampling, varying, name):
