@@ -410,3 +410,9 @@ def test_prefill_of_a_prompt_only_source_is_one_line(tmp_path):
     with pytest.raises(DatasetError, match="no assistant replies to prefill .*teacher.mode=regenerate"):
         run_teacher(make_config("teacher.mode=prefill", "data.source=mtbench", "data.split=all"), tmp_path / "t")
     assert not (tmp_path / "t").exists()
+
+
+def test_mixed_without_prefill_samples_is_one_line(tmp_path):
+    with pytest.raises(DatasetError, match="teacher.mode=mixed prefills .*set teacher.prefill_samples > 0"):
+        run_teacher(make_config("teacher.mode=mixed"), tmp_path / "t")
+    assert not (tmp_path / "t").exists()
