@@ -129,17 +129,20 @@ class Bench:
         from dflash_pipeline.data.splits import split_heldout
         from dflash_pipeline.models.target import resolve_pretrained
 
-        self.args, self.out = args, Path(args.out)
+        args.teacher = str(Path(args.teacher).resolve())
+        self.args, self.out = args, Path(args.out).resolve()
         self.peers_dir = Path(args.peers_dir).expanduser()
         self.cfg = compose(ours_overrides(args, "matched", 2))
         self.data = TeacherDataset(args.teacher)
         self.train_idx, self.held_idx = split_heldout(self.data.ids, args.heldout)
+        self.lengths = [len(self.data[i]["input_ids"]) for i in self.train_idx]
         self._target = None
         t = self.cfg.target
         if t.kind == "tiny":  # built in memory: the peers read it from a folder
             self.target_dir = str(self.out / "target")
             if not (self.out / "target" / "config.json").is_file():
                 self.target.model.save_pretrained(self.target_dir)
+                self.target.tokenizer.save_pretrained(self.target_dir)
         else:
             self.target_dir = resolve_pretrained(t.kind, t.path, t.get("gguf_file"), self.cfg.cache_dir)
 
@@ -168,6 +171,13 @@ class Bench:
         # training sequence stands there, so every training sequence is trained on
         return peers.write_speculators(samples + samples[:1], final + final[:1], folder)
 
+    @property
+    def mask_token_id(self) -> int:
+        """This project's MASK token for the target (train/drafter.py: choose_mask_token), given to every trainer."""
+        from dflash_pipeline.train.drafter import drafter_config
+
+        return drafter_config(self.cfg, self.target, self.data.layer_ids).mask_token_id
+
     def drafter_json(self, recipe: str, folder: Path) -> Path:
         """A draft config in this project's export layout (both peers read it): the recipe's drafter shape."""
         from dflash_pipeline.train.drafter import drafter_config
@@ -177,7 +187,10 @@ class Bench:
             overrides += ["drafter.intermediate_size=null", "drafter.block_size=16"]
         conf = drafter_config(compose(overrides), self.target, self.data.layer_ids)
         d = conf.to_dict()
-        d["layer_types"] = ["full_attention"] * conf.num_hidden_layers
+        # as transformers' Qwen3Config spells it too (speculators reads the file as one): every layer bidirectional
+        d.update({"layer_types": ["full_attention"] * conf.num_hidden_layers, "use_sliding_window": False,
+                  "sliding_window": None,
+                  "rope_parameters": {"rope_type": "default", **(conf.rope_scaling or {}), "rope_theta": conf.rope_theta}})
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "draft_config.json").write_text(json.dumps(d, indent=2))
         return folder / "draft_config.json"
@@ -192,16 +205,16 @@ def ours_command(bench: Bench, recipe: str, folder: Path, steps: int) -> tuple[l
 def specforge_command(bench: Bench, recipe: str, folder: Path, steps: int) -> tuple[list[str], Path]:
     data = bench.peer_data("specforge")
     m, n = MATCHED, len(list(data.glob("*.ckpt")))
+    batch = min(n, m["batch_sequences"] if recipe == "matched" else 1)  # SpecForge drops an incomplete batch
     training = {"strategy": "dflash", "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD", "max_steps": steps,
                 "log_interval": 10, "save_interval": steps}
     if recipe == "matched":
-        training.update({"batch_size": m["batch_sequences"], "num_anchors": m["anchors_per_sequence"],
+        training.update({"batch_size": batch, "num_anchors": m["anchors_per_sequence"],
                          "learning_rate": m["lr"], "lr_scheduler": "cosine",
                          "warmup_ratio": min(m["warmup_steps"], steps - 1) / steps, "max_grad_norm": m["grad_clip"],
                          "loss_decay_gamma": m["gamma"], "seed": m["seed"]})
-    batch = training.get("batch_size", 1)
-    training["num_epochs"] = math.ceil(steps * batch / max(1, n // batch * batch)) + 1  # max_steps ends it
-    longest = max(int(s["num_tokens"]) for s in bench.data.shards)  # an upper bound; truncation never happens
+    training["num_epochs"] = math.ceil(steps / (n // batch)) + 1  # max_steps ends the run
+    longest = max(bench.lengths)  # data.max_length truncates: never here
     cfg = {"run_id": "bench", "output_dir": str(folder / "out"),
            "model": {"target_model_path": bench.target_dir, "torch_dtype": "float32",
                      "draft_model_config": str(bench.drafter_json(recipe, folder))},
@@ -220,13 +233,12 @@ def speculators_command(bench: Bench, recipe: str, folder: Path, steps: int) -> 
            "--speculator-type", "dflash", "--verifier-name-or-path", bench.target_dir, "--data-path", str(data),
            "--save-path", str(folder / "ckpt"), "--log-dir", str(folder / "logs"), "--draft-attn-impl", "sdpa",
            "--loss-implementation", "eager", "--num-workers", "0", "--hidden-states-dtype", "float32",
-           "--on-missing", "raise", "--target-layer-ids", *ids, "--max-steps", str(steps),
+           "--on-missing", "raise", "--target-layer-ids", *ids, "--mask-token-id", str(bench.mask_token_id), "--max-steps", str(steps),
            "--train-data-ratio", str(1 - 0.5 / (len(bench.train_idx) + 1))]
-    tokens = sum(int(s["num_tokens"]) for s in bench.data.shards) * len(bench.train_idx) / len(bench.data)
+    tokens = sum(bench.lengths)
     if recipe == "matched":
-        row = int(m["batch_sequences"] * tokens / len(bench.train_idx))  # a packed row of 8 mean-length sequences
-        cmd += ["--num-layers", str(m["num_layers"]), "--block-size", str(m["block_size"]),
-                "--draft-config", str(bench.drafter_json(recipe, folder)), "--full-attention-indices", "0",
+        row = max(max(bench.lengths), int(m["batch_sequences"] * tokens / len(bench.lengths)))  # 8 mean-length rows
+        cmd += ["--block-size", str(m["block_size"]), "--draft-config", str(bench.drafter_json(recipe, folder)),
                 "--optimizer", "adamw", "--lr", str(m["lr"]), "--weight-decay", "0", "--scheduler-type", "cosine",
                 "--scheduler-warmup-steps", str(min(m["warmup_steps"], steps - 1)),
                 "--per-position-loss-weight", "fixed-exp-decay", "--dflash-decay-gamma", str(m["gamma"]),
