@@ -270,19 +270,23 @@ def train(bench: Bench, trainer: str, recipe: str, steps: int) -> dict:
     """Train (or find trained) one run; its time per step from an S-step and a 1-step run, its peak memory."""
     folder = bench.out / f"{trainer}-{recipe}"
     record = folder / "train.json"
-    if record.is_file():
+    folder.mkdir(parents=True, exist_ok=True)
+    command = COMMANDS[trainer](bench, recipe, folder, steps)[0]
+    if record.is_file() and json.loads(record.read_text()).get("command") == command:
         return json.loads(record.read_text())
+    shutil.rmtree(folder / "eval", ignore_errors=True)  # another run's evaluation
     times = {}
     for n, sub in ((1, folder / "one-step"), (steps, folder)):
         shutil.rmtree(sub / "out", ignore_errors=True)
         shutil.rmtree(sub / "ckpt", ignore_errors=True)
+        shutil.rmtree(sub / "train", ignore_errors=True)
         sub.mkdir(parents=True, exist_ok=True)
         cmd, export = COMMANDS[trainer](bench, recipe, sub, n)
         log(f"training {trainer} ({recipe}) for {n} steps: {sub}")
         times[n] = run(["/usr/bin/time", "-v", "-o", str(sub / "time.txt"), *cmd], log_file=sub / "train.log",
                        env=None if trainer == "ours" else peer_env(trainer))
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", (folder / "time.txt").read_text())
-    result = {"trainer": trainer, "recipe": recipe, "steps": steps, "wall_s": times[steps], "one_step_s": times[1],
+    result = {"trainer": trainer, "recipe": recipe, "steps": steps, "command": command, "wall_s": times[steps], "one_step_s": times[1],
               "s_per_step": (times[steps] - times[1]) / max(1, steps - 1),
               "peak_rss_gb": int(rss.group(1)) / 2**20 if rss else None,
               "export": str(project_export(bench, trainer, recipe, folder, export))}
@@ -355,17 +359,19 @@ def loaders(bench: Bench, results: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| trainer | recipe | held-out tau_offline [95% CI] | a_1 / a_2 / a_3 | MT-Bench tau off / on | "
+    head = ("| trainer | recipe | steps | held-out tau_offline [95% CI] | a_1 / a_2 / a_3 | MT-Bench tau off / on | "
             "HumanEval tau off / on | exact | s/step | peak RSS |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"
     for r in rows:
         ci = r.get("heldout_ci") or [None, None]
-        exact = all(r.get(k) for k in r if k.endswith("_exact"))
-        lines.append(f"| {r['trainer']} | {r['recipe']} | {f(r['heldout_tau'])} [{f(ci[0])}, {f(ci[1])}] | "
+        r = {"heldout_tau": None, "heldout_a": [], **r}
+        exact = "-" if not any(k.endswith("_exact") for k in r) else \
+            "yes" if all(r[k] for k in r if k.endswith("_exact")) else "NO"
+        lines.append(f"| {r['trainer']} | {r['recipe']} | {r['steps']} | {f(r['heldout_tau'])} [{f(ci[0])}, {f(ci[1])}] | "
                      f"{' / '.join(f(a) for a in r['heldout_a'])} | {f(r.get('mtbench_tau_offline'))} / "
                      f"{f(r.get('mtbench_tau_online'))} | {f(r.get('humaneval_tau_offline'))} / "
-                     f"{f(r.get('humaneval_tau_online'))} | {'yes' if exact else 'NO'} | {f(r['s_per_step'], 2)} | "
+                     f"{f(r.get('humaneval_tau_online'))} | {exact} | {f(r['s_per_step'], 2)} | "
                      f"{f(r['peak_rss_gb'], 2)} GB |")
     return "\n".join(lines)
 
@@ -384,6 +390,11 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=["matched", "default"], choices=["matched", "default"])
     ap.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
     ap.add_argument("--out", default="runs/peers")
+    ap.add_argument("--batch-sequences", type=int, default=MATCHED["batch_sequences"],
+                    help="matched recipe: sequences per step (speculators: packed rows of this many)")
+    ap.add_argument("--anchors", type=int, default=MATCHED["anchors_per_sequence"],
+                    help="matched recipe: anchors per sequence")
+    ap.add_argument("--skip-eval", action="store_true", help="train only: time per step and peak memory")
     ap.add_argument("--eval-prompts", type=int, default=20, help="prompts per eval set, teacher-forced")
     ap.add_argument("--online-prompts", type=int, default=4, help="of which decoded online (exact loop)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -400,14 +411,17 @@ def main() -> None:
     if missing:
         sys.exit(f"error: no virtualenv for {', '.join(missing)} under {peers_dir}: run "
                  "`python scripts/bench_peers.py --setup` first")
+    MATCHED.update(batch_sequences=args.batch_sequences, anchors_per_sequence=args.anchors)
     bench = Bench(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = []
+    record = bench.out / "peers.json"
+    rows = json.loads(record.read_text())["runs"] if record.is_file() else []  # earlier invocations' runs stay
     for recipe in args.recipes:
         steps = args.default_steps if recipe == "default" and args.default_steps else args.steps
         for trainer in args.trainers:
             result = train(bench, trainer, recipe, steps)
-            rows.append({**result, **evaluate(bench, result)})
+            rows = [r for r in rows if (r["trainer"], r["recipe"]) != (trainer, recipe)]
+            rows.append({**result, **({} if args.skip_eval else evaluate(bench, result))})
             (bench.out / "peers.json").write_text(json.dumps({"runs": rows}, indent=2))
     checks = loaders(bench, rows)
     md = table(rows)
