@@ -18,7 +18,8 @@ online tau on MT-Bench and HumanEval with the exact loop). Two recipes (--recipe
   (its default is causal there, which this project's drafter, and so its evaluator, does not run).
 
 Time per step is (wall time of an S-step run - wall time of a 1-step run) / (S - 1), so start-up, data loading and
-export are left out alike for every trainer; peak memory is the training process's maximum RSS (/usr/bin/time).
+export are left out alike for every trainer; peak memory is the training process's maximum RSS (/usr/bin/time) and its peak anonymous memory (RSS minus
+file-backed pages, sampled: max RSS also counts the memory-mapped teacher data).
 Each peer lives in a virtualenv of its own under <cache>/peers/<peer>/venv (--setup makes it; nothing of theirs is
 imported here). Every run folder is resumable: a finished training or evaluation is not redone.
 """
@@ -52,14 +53,31 @@ def log(msg: str) -> None:
     print(f"[bench_peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd: list[str], *, log_file: Path | None = None, env: dict | None = None, cwd: Path | None = None) -> float:
-    """Run a command (its output to log_file), exit on failure naming the log; returns its wall time."""
+def run(cmd: list[str], *, log_file: Path | None = None, env: dict | None = None, cwd: Path | None = None,
+        memory: dict | None = None) -> float:
+    """Run a command (its output to log_file), exit on failure naming the log; returns its wall time. With `memory`,
+    also its peak anonymous memory (resident minus file-backed pages, over the process tree, sampled twice a
+    second) in memory["peak_anon_gb"]: max RSS alone counts memory-mapped files (the teacher shards) as well."""
+    import psutil
+
     start = time.perf_counter()
     with open(log_file, "a") if log_file else open(os.devnull, "w") as out:
-        rc = subprocess.call(cmd, stdout=out if log_file else None, stderr=subprocess.STDOUT if log_file else None,
-                             env={**os.environ, **(env or {})}, cwd=cwd)
-    if rc:
-        sys.exit(f"error: {' '.join(map(str, cmd[:6]))} ... exited with {rc}" + (f"; see {log_file}" if log_file else ""))
+        proc = subprocess.Popen(cmd, stdout=out if log_file else None,
+                                stderr=subprocess.STDOUT if log_file else None, env={**os.environ, **(env or {})},
+                                cwd=cwd)
+        peak = 0
+        while proc.poll() is None:
+            try:
+                tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+                peak = max(peak, sum(m.rss - m.shared for m in (p.memory_info() for p in tree)))
+            except psutil.Error:
+                pass
+            time.sleep(0.5)
+    if proc.returncode:
+        sys.exit(f"error: {' '.join(map(str, cmd[:6]))} ... exited with {proc.returncode}"
+                 + (f"; see {log_file}" if log_file else ""))
+    if memory is not None:
+        memory["peak_anon_gb"] = peak / 2**30
     return time.perf_counter() - start
 
 
@@ -275,7 +293,7 @@ def train(bench: Bench, trainer: str, recipe: str, steps: int) -> dict:
     if record.is_file() and json.loads(record.read_text()).get("command") == command:
         return json.loads(record.read_text())
     shutil.rmtree(folder / "eval", ignore_errors=True)  # another run's evaluation
-    times = {}
+    times, memory = {}, {}
     for n, sub in ((1, folder / "one-step"), (steps, folder)):
         shutil.rmtree(sub / "out", ignore_errors=True)
         shutil.rmtree(sub / "ckpt", ignore_errors=True)
@@ -284,11 +302,11 @@ def train(bench: Bench, trainer: str, recipe: str, steps: int) -> dict:
         cmd, export = COMMANDS[trainer](bench, recipe, sub, n)
         log(f"training {trainer} ({recipe}) for {n} steps: {sub}")
         times[n] = run(["/usr/bin/time", "-v", "-o", str(sub / "time.txt"), *cmd], log_file=sub / "train.log",
-                       env=None if trainer == "ours" else peer_env(trainer))
+                       env=None if trainer == "ours" else peer_env(trainer), memory=memory)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", (folder / "time.txt").read_text())
     result = {"trainer": trainer, "recipe": recipe, "steps": steps, "command": command, "wall_s": times[steps], "one_step_s": times[1],
               "s_per_step": (times[steps] - times[1]) / max(1, steps - 1),
-              "peak_rss_gb": int(rss.group(1)) / 2**20 if rss else None,
+              "peak_rss_gb": int(rss.group(1)) / 2**20 if rss else None, **memory,
               "export": str(project_export(bench, trainer, recipe, folder, export))}
     record.write_text(json.dumps(result, indent=2))
     return result
@@ -360,7 +378,7 @@ def loaders(bench: Bench, results: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = ("| trainer | recipe | steps | held-out tau_offline [95% CI] | a_1 / a_2 / a_3 | MT-Bench tau off / on | "
-            "HumanEval tau off / on | exact | s/step | peak RSS |")
+            "HumanEval tau off / on | exact | s/step | peak RSS (anonymous) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"
     for r in rows:
@@ -372,7 +390,7 @@ def table(rows: list[dict]) -> str:
                      f"{' / '.join(f(a) for a in r['heldout_a'])} | {f(r.get('mtbench_tau_offline'))} / "
                      f"{f(r.get('mtbench_tau_online'))} | {f(r.get('humaneval_tau_offline'))} / "
                      f"{f(r.get('humaneval_tau_online'))} | {exact} | {f(r['s_per_step'], 2)} | "
-                     f"{f(r['peak_rss_gb'], 2)} GB |")
+                     f"{f(r['peak_rss_gb'], 2)} ({f(r.get('peak_anon_gb'), 2)}) GB |")
     return "\n".join(lines)
 
 
