@@ -44,9 +44,10 @@ def shard_name(index: int) -> str:
 
 
 def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: torch.dtype,
-                process: str = "0 of 1") -> dict:
+                process: str = "0 of 1", seconds: float | None = None) -> dict:
     """Write one shard of samples (dicts with id, input_ids, loss_mask, features[, topk_*]) and its record; `process`
-    (rank of world size) says which process of a multi-process run wrote it."""
+    (rank of world size) says which process of a multi-process run wrote it; `seconds`, how long the target took to
+    make it (what a recipe's teacher data cost, summed over the shards a training run uses)."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.tensor([0] + lengths).cumsum(0)
     tensors = {
@@ -75,6 +76,7 @@ def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: to
             "num_loss_tokens": int(tensors["loss_mask"].sum()),
             "num_turns": [s["num_turns"] for s in samples],
             "process": process,
+            "seconds": None if seconds is None else round(seconds, 2),
         }
     write_json(folder / f"{name}.json", record)
     return record
@@ -130,6 +132,13 @@ class TeacherDataset(torch.utils.data.Dataset):
     @property
     def num_tokens(self) -> int:
         return sum(s["num_tokens"] for s in self.shards)
+
+    @property
+    def teacher_seconds(self) -> float | None:
+        """Seconds the target spent making every shard (generation, prefill, features; not loading the target or
+        the data), or None for shards written before this was recorded."""
+        times = [s.get("seconds") for s in self.shards]
+        return None if None in times else sum(times)
 
     def verify(self) -> None:
         """Check every shard against the manifest checksum; a bad one is named in the error."""
@@ -193,3 +202,55 @@ class TeacherDataset(torch.utils.data.Dataset):
                            v.numpy() if torch.is_tensor(v) else v) for k, v in item.items()}
 
         return datasets.IterableDataset.from_generator(gen)
+
+
+def merge_datasets(sources: list[str | Path], out: str | Path) -> Path:
+    """One teacher dataset made of several finished ones (e.g. a regenerated run and a prefilled run: a mixture
+    without paying for either again). The shards are symbolic links to the sources' files, so nothing is copied;
+    the manifest, written last, lists every source shard under its new index. The sources must share the target,
+    the tapped layers, the feature dtype and top-k, and must not share sample ids (held-out splits hash ids)."""
+    out = Path(out)
+    datasets = [TeacherDataset(s) for s in sources]
+    if len(datasets) < 2:
+        raise DatasetError("merging needs at least two teacher datasets")
+    first = datasets[0].manifest
+    for d in datasets[1:]:
+        m = d.manifest
+        for key, what in (("layer_ids", "tapped layers"), ("feature_dtype", "feature dtype"),
+                          ("topk_logprobs", "stored top-k")):
+            if m[key] != first[key]:
+                raise DatasetError(f"{d.folder} and {datasets[0].folder} differ in {what} ({m[key]} vs {first[key]}): "
+                                   "only datasets made with the same teacher settings can be merged")
+        if m["target"]["ref"] != first["target"]["ref"]:
+            raise DatasetError(f"{d.folder} was made by target {m['target']['ref']}, {datasets[0].folder} by "
+                               f"{first['target']['ref']}: merge datasets of one target")
+    ids = [i for d in datasets for i in d.ids]
+    if len(set(ids)) != len(ids):
+        raise DatasetError("the datasets share sample ids (the same conversations in the same mode); merge "
+                           "disjoint datasets, e.g. a second run with data.skip past the first one's conversations")
+    if (out / "manifest.json").exists():
+        raise DatasetError(f"{out} already holds a teacher dataset; choose another folder or delete it")
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for d in datasets:
+        for s in d.shards:
+            name = shard_name(len(records))
+            link = out / f"{name}.safetensors"
+            link.unlink(missing_ok=True)
+            link.symlink_to((d.folder / s["file"]).resolve())
+            records.append({**s, "index": len(records), "file": link.name})
+    digest = hashlib.sha256(":".join(d.manifest["config_hash"] for d in datasets).encode()).hexdigest()[:16]
+    write_json(out / "manifest.json", {
+        **first,
+        "config_hash": digest,
+        "mode": "merged",
+        "merged_from": [{"folder": str(d.folder.resolve()), "config_hash": d.manifest["config_hash"],
+                         "mode": d.manifest.get("mode", "regenerate"), "num_samples": len(d)} for d in datasets],
+        "num_prefilled": sum(d.manifest.get("num_prefilled", 0) for d in datasets),
+        "num_samples": len(ids),
+        "num_tokens": sum(r["num_tokens"] for r in records),
+        "num_loss_tokens": sum(r["num_loss_tokens"] for r in records),
+        "notes": [n for d in datasets for n in d.manifest.get("notes", [])],
+        "shards": records,
+    })
+    return out

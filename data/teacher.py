@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -348,8 +349,10 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
     desc = "teacher" if state.num_processes == 1 else f"teacher (rank 0 of {state.num_processes})"
     with Progress(desc, total, "sample", initial=done, enabled=state.is_main_process) as bar:
         for k in todo:  # the bar moves as replies finish; features and the shard file follow each shard
+            start = time.perf_counter()
             samples = teacher_samples(target, [convs[i] for i in shards[k]], cfg, layer_ids, bar)
-            write_shard(out, k, samples, feature_dtype, process=f"{state.process_index} of {state.num_processes}")
+            write_shard(out, k, samples, feature_dtype, process=f"{state.process_index} of {state.num_processes}",
+                        seconds=time.perf_counter() - start)
     state.wait_for_everyone()
 
     if state.is_main_process:

@@ -416,3 +416,37 @@ def test_mixed_without_prefill_samples_is_one_line(tmp_path):
     with pytest.raises(DatasetError, match="teacher.mode=mixed prefills .*set teacher.prefill_samples > 0"):
         run_teacher(make_config("teacher.mode=mixed"), tmp_path / "t")
     assert not (tmp_path / "t").exists()
+
+
+def test_merged_datasets_read_as_their_sources_and_hold_out_regenerated_samples(tiny_teacher, tmp_path):
+    """scripts/merge_teacher.py: a regenerated and a prefilled dataset of disjoint prompts merge into one dataset
+    (links, no copies) whose samples are the sources' own, held out from the regenerated ones first; the same
+    dataset twice (shared ids) and datasets of other taps are refused with the fix."""
+    from dflash_pipeline.data.blocks import pack_blocks
+    from dflash_pipeline.data.shards import merge_datasets
+    from dflash_pipeline.data.splits import split_heldout
+
+    regen = TeacherDataset(tiny_teacher)
+    prefilled = TeacherDataset(run_teacher(make_config("teacher.mode=prefill", f"data.skip={len(regen)}",
+                                                       "data.num_samples=4"), tmp_path / "prefilled"))
+    merged = TeacherDataset(merge_datasets([tiny_teacher, prefilled.folder], tmp_path / "merged"))  # verifies
+    assert merged.ids == regen.ids + prefilled.ids and merged.manifest["num_prefilled"] == 4
+    assert merged.num_tokens == regen.num_tokens + prefilled.num_tokens
+    assert regen.teacher_seconds > 0
+    assert merged.teacher_seconds == pytest.approx(regen.teacher_seconds + prefilled.teacher_seconds)
+    for i, (src, j) in enumerate([(regen, k) for k in range(len(regen))] + [(prefilled, k) for k in range(4)]):
+        a, b = merged[i], src[j]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "id")
+    _, held = split_heldout(merged.ids, len(regen))
+    assert sorted(held) == list(range(len(regen)))  # every regenerated sample before any prefilled one
+    batch = pack_blocks([merged[0], merged[len(regen)]], block_size=4, mask_token_id=0, anchors_per_sequence=4)
+    assert batch["labels"].shape[0] == 2
+
+    with pytest.raises(DatasetError, match="share sample ids .*disjoint"):
+        merge_datasets([tiny_teacher, tiny_teacher], tmp_path / "twice")
+    other = run_teacher(make_config("teacher.layer_ids=[0,1]", f"data.skip={len(regen) + 4}", "data.num_samples=2"),
+                        tmp_path / "other_taps")
+    with pytest.raises(DatasetError, match="differ in tapped layers"):
+        merge_datasets([tiny_teacher, other], tmp_path / "taps")
+    with pytest.raises(DatasetError, match="already holds a teacher dataset"):
+        merge_datasets([tiny_teacher, prefilled.folder], tmp_path / "merged")

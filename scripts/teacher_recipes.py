@@ -1,0 +1,145 @@
+"""Drafter quality per CPU-hour of teacher data + training: which teacher recipe (regenerated, prefilled, mixed,
+multi-turn) buys the most acceptance for the machine time it costs.
+
+Each row is a training set made of one or more finished teacher datasets (merged with symbolic links:
+data/shards.py `merge_datasets`), trained with the same recipe and number of steps, then evaluated on MT-Bench and
+HumanEval (teacher-forced on the target's own greedy replies, and online with the exact loop), so every row is
+scored on the same prompts whatever its held-out split:
+
+    python scripts/teacher_recipes.py --out runs/recipes --steps 200 \\
+        --row regen48=runs/q24/Ra --row regen48+prefill224=runs/q24/Ra,runs/q24/Pb \\
+        [--seconds runs/q24/Ra=55] [-- extra Hydra overrides for training and eval]
+
+Teacher cost is the seconds the target spent on the shards (recorded per shard by dflash-teacher; --seconds
+gives it for datasets written before that); training cost is the wall time of `dflash-train`. CPU-hours count
+every core of the machine (both stages use all of them). Each row is resumable: a finished training or eval is
+skipped. Writes <out>/recipes.md, recipes.json and recipes.png (tau against CPU-hours).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dflash_pipeline.data.shards import DatasetError, TeacherDataset, merge_datasets
+from dflash_pipeline.data.splits import PREFILLED
+
+EVAL = ["eval.datasets=[mtbench,humaneval]", "eval.turns=1", "eval.num_prompts=40", "eval.online_prompts=2",
+        "eval.max_new_tokens=64", "eval.cost_repeats=2", "eval.baseline_dtypes=[]", "eval.num_threads=2"]
+
+
+def run(cmd: list[str]) -> float:
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - start
+
+
+def teacher_of(row_dir: Path, sources: list[Path]) -> Path:
+    """The row's training set: the one dataset, or the merge of several (made once)."""
+    if len(sources) == 1:
+        return sources[0] / "teacher" if (sources[0] / "teacher" / "manifest.json").is_file() else sources[0]
+    merged = row_dir / "teacher"
+    if not (merged / "manifest.json").is_file():
+        merge_datasets([s / "teacher" if (s / "teacher").is_dir() else s for s in sources], merged)
+    return merged
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", action="append", required=True, metavar="NAME=DIR[,DIR...]",
+                    help="a row: finished teacher datasets (or run folders holding teacher/) trained on together")
+    ap.add_argument("--seconds", action="append", default=[], metavar="DIR=SECONDS",
+                    help="teacher seconds of a dataset that did not record them")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--experiment", default="smollm2_quick")
+    ap.add_argument("--out", default="runs/recipes")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every training and eval")
+    args = ap.parse_args()
+
+    given = {Path(k).resolve(): float(v) for k, v in (s.split("=", 1) for s in args.seconds)}
+    out, cores = Path(args.out), os.cpu_count() or 1
+    rows = []
+    for spec in args.row:
+        name, dirs = spec.split("=", 1)
+        sources = [Path(d) for d in dirs.split(",")]
+        row_dir = out / name
+        try:
+            data_dir = teacher_of(row_dir, sources)
+        except DatasetError as e:
+            sys.exit(f"error: row {name}: {e}")
+        teacher_s = 0.0
+        for s in sources:
+            d = TeacherDataset(s / "teacher" if (s / "teacher").is_dir() else s, verify=False)
+            sec = d.teacher_seconds if d.teacher_seconds is not None else given.get(s.resolve())
+            if sec is None:
+                sys.exit(f"error: {s} did not record its teacher seconds; give them with --seconds {s}=SECONDS")
+            teacher_s += sec
+        data = TeacherDataset(data_dir, verify=False)
+        common = [f"experiment={args.experiment}", f"trainer.data_dir={data_dir.resolve()}", "logger=none",
+                  f"hydra.run.dir={row_dir}"]
+        timing = row_dir / "train_seconds.json"
+        if not timing.is_file():
+            sec = run(["dflash-train", *common, f"trainer.steps={args.steps}", f"trainer.eval_every={args.steps}",
+                       f"trainer.save_every={args.steps}", *args.overrides])
+            timing.write_text(json.dumps({"seconds": sec}))
+        train_s = json.loads(timing.read_text())["seconds"]
+        if not (row_dir / "eval" / "eval_results.json").is_file():
+            run(["dflash-eval", *common, *EVAL, *args.overrides])
+        res = json.loads((row_dir / "eval" / "eval_results.json").read_text())
+        held = res["offline"].get("teacher_heldout") or {}
+        prefilled = sum(i.startswith(PREFILLED) for i in data.ids)
+        row = {"name": name, "sources": [str(s) for s in sources], "samples": len(data), "prefilled": prefilled,
+               "reply_tokens": data.manifest["num_loss_tokens"], "teacher_s": teacher_s, "train_s": train_s,
+               "cpu_hours": cores * (teacher_s + train_s) / 3600, "steps": args.steps,
+               "heldout": [held.get("tau_offline"), held.get("tau_offline_ci95")]}
+        for ds in ("mtbench", "humaneval"):
+            off, on = res["offline"][ds], res["methods"]["chain"][ds]
+            row[ds] = {"tau_offline": off["tau_offline"], "ci95": off["tau_offline_ci95"],
+                       "tau_online": on["tau_online"], "online_tokens": on["output_tokens"], "exact": on["exact"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipes.json").write_text(json.dumps(rows, indent=2))
+
+    def ci(x: list | None) -> str:
+        return "[{:.2f}, {:.2f}]".format(*x) if x else ""
+
+    lines = [f"{cores} cores; every row trained {args.steps} steps ({args.experiment}); held-out: the row's own split",
+             "", "| recipe | samples (prefilled) | reply tokens | teacher min | train min | CPU-hours | held-out tau | "
+             "MT-Bench tau off [95% CI] / online | HumanEval tau off [95% CI] / online | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["heldout"]
+        lines.append(f"| {r['name']} | {r['samples']} ({r['prefilled']}) | {r['reply_tokens']:,} | "
+                     f"{r['teacher_s'] / 60:.1f} | {r['train_s'] / 60:.1f} | {r['cpu_hours']:.2f} | "
+                     + (f"{h[0]:.3f} {ci(h[1])}" if h[0] else "") + " | "
+                     + " | ".join(f"{r[d]['tau_offline']:.3f} {ci(r[d]['ci95'])} / {r[d]['tau_online']:.2f}"
+                                  for d in ("mtbench", "humaneval"))
+                     + f" | {'yes' if all(r[d]['exact'] for d in ('mtbench', 'humaneval')) else 'NO'} |")
+    (out / "recipes.md").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for r in rows:
+        tau = (r["mtbench"]["tau_offline"] + r["humaneval"]["tau_offline"]) / 2
+        ax.plot(r["cpu_hours"], tau, "o")
+        ax.annotate(r["name"], (r["cpu_hours"], tau), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("CPU-hours of teacher + training")
+    ax.set_ylabel("tau_offline, mean of MT-Bench and HumanEval")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "recipes.png", dpi=120)
+    print((out / "recipes.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
