@@ -125,6 +125,11 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
     components = [str(c) for c in cfg.pipeline.components]
     if "train" in stages and str(cfg.trainer.component) != "drafter":
         components.append(str(cfg.trainer.component))
+    if cfg.trainer.selector_loss_weight > 0 and "selector" in components:
+        from dflash_pipeline.conf.schema import ConfigError
+
+        raise ConfigError("trainer.selector_loss_weight > 0 trains the selector with the drafter (DFlash2 joint); "
+                          "drop selector from pipeline.components, or set the weight to 0 for a frozen-drafter one")
     dirs = stage_dirs(cfg, run_dir, shared_dir, tuple(dict.fromkeys(components)))
 
     def train(name: str) -> None:

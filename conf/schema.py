@@ -239,6 +239,9 @@ class TrainerConfig:
     gamma: Optional[float] = ranged(None, gt=0.0)  # decay constant; None: from the block size (7 for 16, 4 for 8)
     dpace_alpha: float = ranged(0.5, ge=0.0, le=1.0)
     draft_vocab_size: Optional[int] = ranged(None, ge=1)  # None: full vocabulary
+    # DFlash2 joint training: > 0 trains the pair selector (conf/selector: top_k, rank) with the drafter in one run,
+    # loss = block loss + this x the selector's CE, gradients reaching the drafter; 0: the drafter alone
+    selector_loss_weight: float = ranged(0.0, ge=0.0)
     heldout_samples: int = ranged(16, ge=1)  # teacher sequences kept out of training for held-out metrics
     # train on this many teacher sequences only (nested subsets, same held-out split); None: all but the held-out
     train_samples: Optional[int] = ranged(None, ge=1)

@@ -39,6 +39,8 @@ def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
     else:
         mod = catalogue.module(component_of(stage))
         parts = [stage_sections(cfg, "teacher" if i == "teacher" else "train") for i in mod.INPUTS] + [mod.SECTIONS]
+        if stage == "train" and cfg.trainer.get("selector_loss_weight", 0) > 0:
+            parts.append(["selector"])  # DFlash2 joint training: the drafter's stage trains the selector too
     return list(dict.fromkeys(s for part in parts for s in part))
 
 

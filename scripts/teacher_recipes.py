@@ -8,7 +8,10 @@ scored on the same prompts whatever its held-out split:
 
     python scripts/teacher_recipes.py --out runs/recipes --steps 200 \\
         --row regen48=runs/q24/Ra --row regen48+prefill224=runs/q24/Ra,runs/q24/Pb \\
+        --row regen48+prefill224@400=runs/q24/Ra,runs/q24/Pb \
         [--seconds runs/q24/Ra=55] [-- extra Hydra overrides for training and eval]
+
+A row named NAME@STEPS trains STEPS steps instead of --steps (more data wants more steps: the CPU-hours count them).
 
 Teacher cost is the seconds the target spent on the shards (recorded per shard by dflash-teacher; --seconds
 gives it for datasets written before that); training cost is the wall time of `dflash-train`. CPU-hours count
@@ -51,8 +54,9 @@ def teacher_of(row_dir: Path, sources: list[Path]) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--row", action="append", required=True, metavar="NAME=DIR[,DIR...]",
-                    help="a row: finished teacher datasets (or run folders holding teacher/) trained on together")
+    ap.add_argument("--row", action="append", required=True, metavar="NAME[@STEPS]=DIR[,DIR...]",
+                    help="a row: finished teacher datasets (or run folders holding teacher/) trained on together, "
+                         "for STEPS steps (default --steps)")
     ap.add_argument("--seconds", action="append", default=[], metavar="DIR=SECONDS",
                     help="teacher seconds of a dataset that did not record them")
     ap.add_argument("--steps", type=int, default=200)
@@ -66,6 +70,7 @@ def main() -> None:
     rows = []
     for spec in args.row:
         name, dirs = spec.split("=", 1)
+        steps = int(name.split("@", 1)[1]) if "@" in name else args.steps
         sources = [Path(d) for d in dirs.split(",")]
         row_dir = out / name
         try:
@@ -84,8 +89,8 @@ def main() -> None:
                   f"hydra.run.dir={row_dir}"]
         timing = row_dir / "train_seconds.json"
         if not timing.is_file():
-            sec = run(["dflash-train", *common, f"trainer.steps={args.steps}", f"trainer.eval_every={args.steps}",
-                       f"trainer.save_every={args.steps}", *args.overrides])
+            sec = run(["dflash-train", *common, f"trainer.steps={steps}", f"trainer.eval_every={steps}",
+                       f"trainer.save_every={steps}", *args.overrides])
             timing.write_text(json.dumps({"seconds": sec}))
         train_s = json.loads(timing.read_text())["seconds"]
         if not (row_dir / "eval" / "eval_results.json").is_file():
@@ -95,7 +100,7 @@ def main() -> None:
         prefilled = sum(i.startswith(PREFILLED) for i in data.ids)
         row = {"name": name, "sources": [str(s) for s in sources], "samples": len(data), "prefilled": prefilled,
                "reply_tokens": data.manifest["num_loss_tokens"], "teacher_s": teacher_s, "train_s": train_s,
-               "cpu_hours": cores * (teacher_s + train_s) / 3600, "steps": args.steps,
+               "cpu_hours": cores * (teacher_s + train_s) / 3600, "steps": steps,
                "heldout": [held.get("tau_offline"), held.get("tau_offline_ci95")]}
         for ds in ("mtbench", "humaneval"):
             off, on = res["offline"][ds], res["methods"]["chain"][ds]
@@ -110,13 +115,13 @@ def main() -> None:
     def ci(x: list | None) -> str:
         return "[{:.2f}, {:.2f}]".format(*x) if x else ""
 
-    lines = [f"{cores} cores; every row trained {args.steps} steps ({args.experiment}); held-out: the row's own split",
-             "", "| recipe | samples (prefilled) | reply tokens | teacher min | train min | CPU-hours | held-out tau | "
+    lines = [f"{cores} cores; {args.experiment}'s recipe; held-out: the row's own split", "",
+             "| recipe | samples (prefilled) | reply tokens | steps | teacher min | train min | CPU-hours | held-out tau | "
              "MT-Bench tau off [95% CI] / online | HumanEval tau off [95% CI] / online | exact |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["heldout"]
-        lines.append(f"| {r['name']} | {r['samples']} ({r['prefilled']}) | {r['reply_tokens']:,} | "
+        lines.append(f"| {r['name']} | {r['samples']} ({r['prefilled']}) | {r['reply_tokens']:,} | {r['steps']} | "
                      f"{r['teacher_s'] / 60:.1f} | {r['train_s'] / 60:.1f} | {r['cpu_hours']:.2f} | "
                      + (f"{h[0]:.3f} {ci(h[1])}" if h[0] else "") + " | "
                      + " | ".join(f"{r[d]['tau_offline']:.3f} {ci(r[d]['ci95'])} / {r[d]['tau_online']:.2f}"

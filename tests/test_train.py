@@ -224,3 +224,46 @@ def test_feature_noise_is_seeded_per_step_and_scaled_to_the_features(tiny_teache
     rms = c["features"].float()[c["context_valid"]].pow(2).mean(-1).sqrt()
     ratio = diff.pow(2).mean(-1).sqrt() / rms
     assert 0.07 < float(ratio.median()) < 0.13, "noise of 0.1 x each feature vector's RMS"
+
+
+def test_dflash2_joint_training_trains_the_selector_with_the_drafter(tiny_teacher, tmp_path):
+    """trainer.selector_loss_weight > 0 (DFlash2 joint): the selector's loss also reaches the drafter, one run
+    exports the drafter and, where the eval stage's selector methods look, the DFlash2 checkpoint carrying that very
+    drafter; the selector's settings enter the drafter stage's hash, and a frozen-drafter selector stage on top is
+    refused with the fix."""
+    from dflash_pipeline.conf.entrypoints import run_stages
+    from dflash_pipeline.conf.schema import ConfigError
+    from dflash_pipeline.conf.stages import stage_sections
+    from dflash_pipeline.eval.stage import drafter_difference
+    from dflash_pipeline.train.selector import load_selector
+
+    cfg = make_config("trainer.steps=3", "trainer.selector_loss_weight=1.0", "trainer.draft_vocab_size=50",
+                      "selector.top_k=48", "selector.rank=8")
+    comp = DrafterComponent(cfg, StageInputs(tiny_teacher), torch.device("cpu"))
+    batch = comp.batch(comp.step_items(0), 0)
+
+    def grads(weight: float) -> list[torch.Tensor]:
+        comp.selector_weight = weight
+        comp.model.zero_grad()
+        loss, stats = comp.loss(comp.model, batch)
+        loss.backward()
+        assert weight == 0 or int(stats["selector_scored"]) > 0
+        return [p.grad.clone() for p in comp.model.drafter.layers.parameters()]
+
+    assert any(not torch.allclose(a, b) for a, b in zip(grads(1.0), grads(0.0)))
+    assert comp.model.selector.successor_codebook.grad is None  # weight 0: the selector takes no part
+    assert "selector" in stage_sections(cfg, "train") and "selector" not in stage_sections(make_config(), "train")
+
+    run = run_train(cfg, tmp_path / "run", data_dir=tiny_teacher)
+    last = metrics(run)[-1]
+    assert 0 < last["candidate_recall"] <= 1 and "selector_tau_offline" in last["heldout"]
+    drafter = DFlashDrafter.from_pretrained(str(run / "export"), comp.target.model.get_input_embeddings(),
+                                            comp.target.model.get_output_embeddings())
+    assert drafter_difference(run / "selector" / "export", run / "export") is None
+    selector = load_selector(run / "selector" / "export", torch.device("cpu"))
+    assert selector.top_k == 48 and selector.rank == 8 and selector.successor_codebook.abs().sum() > 0
+    assert drafter.config.block_size == comp.block_size
+
+    with pytest.raises(ConfigError, match="drop selector from pipeline.components"):
+        run_stages(make_config("trainer.selector_loss_weight=1.0", "pipeline.components=[selector]"), tmp_path / "p",
+                   ["components"])

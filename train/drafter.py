@@ -26,7 +26,7 @@ from dflash_pipeline.models.target import Target
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.losses import block_loss, default_gamma, effective_valid, normaliser
+from dflash_pipeline.train.losses import block_loss, decay_weights, default_gamma, dpace_weights, effective_valid, normaliser
 
 log = logging.getLogger(__name__)
 # The K of the held-out Recall@K that training logs (eval.recall_k is the eval stage's: reading it here would tie
@@ -109,8 +109,27 @@ def init_from_target(drafter: DFlashDrafter, target_model) -> None:
         drafter.norm.weight.copy_(target_model.model.norm.weight)
 
 
+class DrafterWithSelector(torch.nn.Module):
+    """DFlash2 joint training (trainer.selector_loss_weight > 0): the drafter and its pair selector as one module,
+    so one optimizer, one checkpoint and one DDP wrapper hold both. The forward is the drafter's."""
+
+    def __init__(self, drafter: DFlashDrafter, selector):
+        super().__init__()
+        self.drafter, self.selector = drafter, selector
+
+    def forward(self, *args, **kwargs):
+        return self.drafter(*args, **kwargs)
+
+
+def drafter_of(model) -> DFlashDrafter:
+    """The drafter inside whatever the loop holds: a DDP wrapper, a DrafterWithSelector, or the drafter itself."""
+    model = getattr(model, "module", model)
+    return model.drafter if isinstance(model, DrafterWithSelector) else model
+
+
 class DrafterComponent:
-    """Model, batches, loss, held-out metrics and export of the DFlash block drafter."""
+    """Model, batches, loss, held-out metrics and export of the DFlash block drafter (with its DFlash2 selector when
+    trained jointly)."""
 
     name = "drafter"
 
@@ -136,11 +155,19 @@ class DrafterComponent:
             self.model.set_draft_vocab(self.frequent_tokens(t.draft_vocab_size))
         self.model.to(device)
         self.to_column = self.model.target_to_column()
+        self.selector_weight = t.selector_loss_weight
+        if self.selector_weight > 0:
+            from dflash_pipeline.models.selector import PairSelector
+
+            s = cfg.selector
+            selector = PairSelector(self.dconf.vocab_size, self.dconf.hidden_size, s.rank, s.top_k).to(device)
+            self.model = DrafterWithSelector(self.model, selector)
         log.info("drafter: %d layers, hidden %d, block %d, taps %s, mask token %d, %s vocabulary; %d train / %d "
-                 "held-out sequences, %.1fM trainable parameters", self.dconf.num_hidden_layers,
+                 "held-out sequences, %.1fM trainable parameters%s", self.dconf.num_hidden_layers,
                  self.dconf.hidden_size, self.block_size, self.dconf.target_layer_ids, self.dconf.mask_token_id,
                  t.draft_vocab_size or "full", len(self.train_idx), len(self.heldout_idx),
-                 sum(p.numel() for p in self.model.parameters()) / 1e6)
+                 sum(p.numel() for p in self.model.parameters()) / 1e6,
+                 f" (DFlash2 selector joint, weight {self.selector_weight})" if self.selector_weight > 0 else "")
 
     def frequent_tokens(self, n: int) -> torch.Tensor:
         """The draft vocabulary: n target ids, sorted. The most frequent reply tokens of the training split first,
@@ -192,19 +219,40 @@ class DrafterComponent:
         return normaliser(kind, valid, self.gamma)
 
     # -- loss ------------------------------------------------------------------------------------------------
-    def forward_logits(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits (N, B-1, V), labels in logit columns (N, B-1), valid (N, B-1)) over the real blocks."""
+    def forward_logits(self, model, batch: dict, with_hidden: bool = False):
+        """(logits (N, B-1, V), labels in logit columns (N, B-1), valid (N, B-1)) over the real blocks; with_hidden:
+        also the post-norm hidden (N, B, H) of those blocks."""
         dev = self.device
         b = {k: v.to(dev) for k, v in batch.items()}
         hidden = model(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], b["anchor_valid"])
         keep = b["anchor_valid"]
-        drafter = getattr(model, "module", model)
-        logits = drafter.logits(hidden[keep][:, 1:])  # (N, B-1, V)
+        hidden = hidden[keep]
+        logits = drafter_of(model).logits(hidden[:, 1:])  # (N, B-1, V)
         labels = self.to_column[b["labels"][keep]]
-        return logits, labels, b["label_valid"][keep]
+        return (logits, labels, b["label_valid"][keep]) + ((hidden,) if with_hidden else ())
+
+    def selector_loss(self, model, batch: dict, logits, labels, valid, hidden) -> tuple[torch.Tensor, dict]:
+        """DFlash2 joint training: the selector's CE over the live drafter's top-K with the true predecessor
+        (models/selector.py selector_loss), with the position weights of the block loss. Nothing is detached but
+        the weights, so the selector's loss also trains the drafter's hidden states and logits."""
+        from dflash_pipeline.models.selector import selector_loss
+
+        t, drafter = self.cfg.trainer, drafter_of(model)
+        selector = getattr(model, "module", model).selector
+        keep = batch["anchor_valid"]
+        ids = batch["labels"][keep].to(self.device)  # target ids (-100 past the end)
+        anchors = batch["block_ids"][keep][:, 0].to(self.device)
+        U, idx = logits.float().topk(selector.top_k, dim=-1)
+        if t.loss == "dpace":
+            q = torch.softmax(logits.detach().float(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+            weights = dpace_weights(torch.where(labels >= 0, q, 0.0), valid, t.dpace_alpha)
+        else:
+            weights = decay_weights(labels.shape[1], self.gamma, self.device).expand_as(labels)
+        return selector_loss(selector, hidden[:, 1:], drafter.to_target_ids(idx), U,
+                             torch.cat([anchors[:, None], ids[:, :-1]], 1), ids, valid, weights)
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
-        logits, labels, valid = self.forward_logits(model, batch)
+        logits, labels, valid, hidden = self.forward_logits(model, batch, with_hidden=True)
         t = self.cfg.trainer
         extra = {}
         if t.loss == "kl":
@@ -214,7 +262,12 @@ class DrafterComponent:
         loss_sum = block_loss(logits, labels, valid, kind=t.loss, gamma=self.gamma, alpha=t.dpace_alpha, **extra)
         with torch.no_grad():
             correct = (logits.argmax(-1) == labels) & (labels >= 0)
-        return loss_sum, {"correct": correct, "valid": valid}
+        stats = {"correct": correct, "valid": valid}
+        if self.selector_weight > 0:  # divided by the block loss's normaliser too: one weighted sum of the two
+            sel_sum, sel_stats = self.selector_loss(model, batch, logits, labels, valid, hidden)
+            loss_sum = loss_sum + self.selector_weight * sel_sum
+            stats.update({f"selector_{k}": v for k, v in sel_stats.items()})
+        return loss_sum, stats
 
     def work(self, batch: dict) -> dict[str, int]:
         return {"anchor_blocks": int(batch["anchor_valid"].sum()), "tokens": int(batch["context_valid"].sum())}
@@ -224,23 +277,42 @@ class DrafterComponent:
         correct, valid = torch.cat([s["correct"] for s in stats]), torch.cat([s["valid"] for s in stats])
         a, _ = conditional_acceptance(correct, valid)
         acc = ((correct & valid).sum(0) / valid.sum(0).clamp(min=1)).tolist()
-        return {"train_a_k": a, "train_acc_k": acc}
+        metrics = {"train_a_k": a, "train_acc_k": acc}
+        if self.selector_weight > 0:  # as the frozen-drafter selector logs them (train/selector.py)
+            total = {k: sum(float(s[f"selector_{k}"]) for s in stats)
+                     for k in ("scored", "skipped", "selector_correct", "marginal_correct")}
+            scored = max(1.0, total["scored"])
+            metrics.update(candidate_recall=total["scored"] / max(1.0, total["scored"] + total["skipped"]),
+                           selector_acc=total["selector_correct"] / scored,
+                           marginal_acc=total["marginal_correct"] / scored)
+        return metrics
 
     # -- evaluation ------------------------------------------------------------------------------------------
-    def evaluate(self, drafter, indices: list[int] | None = None) -> dict:
+    def evaluate(self, model, indices: list[int] | None = None) -> dict:
         """Teacher-forced metrics on held-out sequences, every anchor: a_k, Recall@K (K of HELDOUT_RECALL_K),
-        tau_offline."""
-        was_training = drafter.training
-        drafter.eval()
+        tau_offline; trained jointly, also the selector's greedy walk (selector_tau_offline)."""
+        was_training = model.training
+        model.eval()
+        drafter = drafter_of(model)
         items = self.items(indices if indices is not None else self.heldout_idx)
-        result = offline_metrics(drafter, items, self.block_size, list(HELDOUT_RECALL_K))
-        drafter.train(was_training)
+        methods = None
+        if self.selector_weight > 0:
+            from dflash_pipeline.train.selector import SelectorMethod
+
+            methods = {"selector_greedy": SelectorMethod(drafter, model.selector, "greedy")}
+        result = offline_metrics(drafter, items, self.block_size, list(HELDOUT_RECALL_K), methods=methods)
+        if methods:
+            result["selector_tau_offline"] = result.pop("methods")["selector_greedy"]["tau_offline"]
+        model.train(was_training)
         return result
 
     # -- export ----------------------------------------------------------------------------------------------
-    def export(self, drafter, folder: Path) -> Path:
+    def export(self, model, folder: Path) -> Path:
         """The engine format (docs/export.md: full vocabulary, or with trainer.draft_vocab_size the drafter's own
-        lm_head over the draft vocabulary + d2t), plus where the target and teacher data came from."""
+        lm_head over the draft vocabulary + d2t), plus where the target and teacher data came from. Trained jointly,
+        the DFlash2 checkpoint (the drafter plus candidate_selector.*, as train/selector.py writes it) also goes to
+        <folder>/../selector/export, where the eval stage's selector methods look for it."""
+        drafter = drafter_of(model)
         drafter.save_pretrained(str(folder), extra_config={"dflash_pipeline": {
             "target": self.target.ref,
             "target_layer_ids": list(self.dconf.target_layer_ids),
@@ -248,6 +320,15 @@ class DrafterComponent:
             "gamma": self.gamma,
             "loss": self.cfg.trainer.loss,
         }})
+        if self.selector_weight > 0:
+            from dflash_pipeline.train.frozen import export_with_drafter
+            from dflash_pipeline.train.selector import PREFIX
+
+            selector = model.selector
+            export_with_drafter(folder, folder.parent / "selector" / "export",
+                                {PREFIX + k: v for k, v in selector.state_dict().items()}, selector.config_dict(),
+                                "selector", {"joint": True, "selector_loss_weight": self.selector_weight,
+                                             "steps": self.cfg.trainer.steps})
         return folder
 
 

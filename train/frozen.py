@@ -148,22 +148,29 @@ class FrozenDrafterComponent:
                             provenance: dict) -> Path:
         """The drafter's export plus this component's tensors (prefixed) and its dflash_config keys: one
         checkpoint an engine loads whole."""
-        from safetensors.torch import load_file
+        return export_with_drafter(self.drafter_dir, folder, tensors, dflash_config, self.section, provenance)
 
-        from dflash_pipeline.data.files import save_safetensors, write_text
 
-        folder.mkdir(parents=True, exist_ok=True)
-        config = json.loads((self.drafter_dir / "config.json").read_text())
-        config["dflash_config"].update(dflash_config)
-        config.setdefault("dflash_pipeline", {})[self.section] = provenance
-        weights = load_file(str(self.drafter_dir / "model.safetensors"))
-        clash = set(weights) & set(tensors)
-        if clash:
-            raise TrainError(f"{self.section} tensors {sorted(clash)} collide with the drafter's")
-        save_safetensors({**weights, **{k: v.detach().cpu().contiguous() for k, v in tensors.items()}},
-                         folder / "model.safetensors", metadata={"format": "pt"})
-        write_text(folder / "config.json", json.dumps(config, indent=2))
-        return folder
+def export_with_drafter(drafter_dir: Path, folder: Path, tensors: dict[str, torch.Tensor], dflash_config: dict,
+                        section: str, provenance: dict) -> Path:
+    """The drafter export in `drafter_dir` plus a component's tensors (prefixed) and its dflash_config keys, in
+    `folder`: one checkpoint an engine loads whole; config.json records `provenance` under dflash_pipeline.<section>."""
+    from safetensors.torch import load_file
+
+    from dflash_pipeline.data.files import save_safetensors, write_text
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    config["dflash_config"].update(dflash_config)
+    config.setdefault("dflash_pipeline", {})[section] = provenance
+    weights = load_file(str(drafter_dir / "model.safetensors"))
+    clash = set(weights) & set(tensors)
+    if clash:
+        raise TrainError(f"{section} tensors {sorted(clash)} collide with the drafter's")
+    save_safetensors({**weights, **{k: v.detach().cpu().contiguous() for k, v in tensors.items()}},
+                     folder / "model.safetensors", metadata={"format": "pt"})
+    write_text(folder / "config.json", json.dumps(config, indent=2))
+    return folder
 
 
 def offset_head_methods(name: str, load: Callable, load_selector: Callable) -> dict[str, EvalMethod]:
