@@ -42,13 +42,18 @@ def run(cmd: list[str]) -> float:
     return time.perf_counter() - start
 
 
+def dataset_dir(path: Path) -> Path:
+    """A teacher dataset folder, given it or the run folder holding it as teacher/."""
+    return path / "teacher" if (path / "teacher" / "manifest.json").is_file() else path
+
+
 def teacher_of(row_dir: Path, sources: list[Path]) -> Path:
     """The row's training set: the one dataset, or the merge of several (made once)."""
     if len(sources) == 1:
-        return sources[0] / "teacher" if (sources[0] / "teacher" / "manifest.json").is_file() else sources[0]
+        return dataset_dir(sources[0])
     merged = row_dir / "teacher"
     if not (merged / "manifest.json").is_file():
-        merge_datasets([s / "teacher" if (s / "teacher").is_dir() else s for s in sources], merged)
+        merge_datasets([dataset_dir(s) for s in sources], merged)
     return merged
 
 
@@ -65,26 +70,35 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every training and eval")
     args = ap.parse_args()
 
-    given = {Path(k).resolve(): float(v) for k, v in (s.split("=", 1) for s in args.seconds)}
+    given = {}
+    for spec in args.seconds:
+        folder, _, sec = spec.partition("=")
+        try:
+            given[Path(folder).resolve()] = float(sec)
+        except ValueError:
+            sys.exit(f"error: --seconds {spec!r}: write DIR=SECONDS, e.g. runs/q24/Ra=63")
     out, cores = Path(args.out), os.cpu_count() or 1
     rows = []
     for spec in args.row:
-        name, dirs = spec.split("=", 1)
-        steps = int(name.split("@", 1)[1]) if "@" in name else args.steps
+        name, _, dirs = spec.partition("=")
+        steps = name.partition("@")[2]
+        if not dirs or (steps and not steps.isdigit()):
+            sys.exit(f"error: --row {spec!r}: write NAME=DIR[,DIR...] or NAME@STEPS=DIR[,DIR...]")
+        steps = int(steps) if steps else args.steps
         sources = [Path(d) for d in dirs.split(",")]
         row_dir = out / name
         try:
             data_dir = teacher_of(row_dir, sources)
+            data = TeacherDataset(data_dir, verify=False)
+            parts = [TeacherDataset(dataset_dir(s), verify=False) for s in sources]
         except DatasetError as e:
             sys.exit(f"error: row {name}: {e}")
         teacher_s = 0.0
-        for s in sources:
-            d = TeacherDataset(s / "teacher" if (s / "teacher").is_dir() else s, verify=False)
+        for s, d in zip(sources, parts):
             sec = d.teacher_seconds if d.teacher_seconds is not None else given.get(s.resolve())
             if sec is None:
                 sys.exit(f"error: {s} did not record its teacher seconds; give them with --seconds {s}=SECONDS")
             teacher_s += sec
-        data = TeacherDataset(data_dir, verify=False)
         common = [f"experiment={args.experiment}", f"trainer.data_dir={data_dir.resolve()}", "logger=none",
                   f"hydra.run.dir={row_dir}"]
         timing = row_dir / "train_seconds.json"
@@ -116,8 +130,8 @@ def main() -> None:
         return "[{:.2f}, {:.2f}]".format(*x) if x else ""
 
     lines = [f"{cores} cores; {args.experiment}'s recipe; held-out: the row's own split", "",
-             "| recipe | samples (prefilled) | reply tokens | steps | teacher min | train min | CPU-hours | held-out tau | "
-             "MT-Bench tau off [95% CI] / online | HumanEval tau off [95% CI] / online | exact |",
+             "| recipe | samples (prefilled) | reply tokens | steps | teacher min | train min | CPU-hours | "
+             "held-out tau | MT-Bench tau off [95% CI] / online | HumanEval tau off [95% CI] / online | exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["heldout"]

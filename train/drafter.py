@@ -26,7 +26,8 @@ from dflash_pipeline.models.target import Target
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.losses import block_loss, decay_weights, default_gamma, dpace_weights, effective_valid, normaliser
+from dflash_pipeline.train.losses import (block_loss, decay_weights, default_gamma, dpace_weights, effective_valid,
+                                         normaliser)
 
 log = logging.getLogger(__name__)
 # The K of the held-out Recall@K that training logs (eval.recall_k is the eval stage's: reading it here would tie
@@ -278,13 +279,12 @@ class DrafterComponent:
         a, _ = conditional_acceptance(correct, valid)
         acc = ((correct & valid).sum(0) / valid.sum(0).clamp(min=1)).tolist()
         metrics = {"train_a_k": a, "train_acc_k": acc}
-        if self.selector_weight > 0:  # as the frozen-drafter selector logs them (train/selector.py)
-            total = {k: sum(float(s[f"selector_{k}"]) for s in stats)
-                     for k in ("scored", "skipped", "selector_correct", "marginal_correct")}
-            scored = max(1.0, total["scored"])
-            metrics.update(candidate_recall=total["scored"] / max(1.0, total["scored"] + total["skipped"]),
-                           selector_acc=total["selector_correct"] / scored,
-                           marginal_acc=total["marginal_correct"] / scored)
+        if self.selector_weight > 0:  # as the frozen-drafter selector logs them
+            from dflash_pipeline.train.selector import selector_rates
+
+            prefix = "selector_"
+            metrics.update(selector_rates([{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)}
+                                           for s in stats]))
         return metrics
 
     # -- evaluation ------------------------------------------------------------------------------------------

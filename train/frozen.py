@@ -113,19 +113,6 @@ class FrozenDrafterComponent:
         return [self.data[i] for i in self.heldout_idx]
 
     # -- metrics ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def summed(stats: list[dict]) -> dict[str, float]:
-        """The micro-batches' stats of a logging window added up (each component's train_metrics divides them)."""
-        return {k: sum(float(s[k]) for s in stats) for k in stats[0]}
-
-    def scored_rates(self, stats: list[dict], coverage: str, **rates: str) -> dict[str, float]:
-        """Train metrics of a loss that scores only some positions (stats "scored" / "skipped"): `coverage` the
-        scored share of the positions seen, and each rate name = its stat's count over the scored positions."""
-        total = self.summed(stats)
-        scored = max(1.0, total["scored"])
-        return {coverage: total["scored"] / max(1.0, total["scored"] + total["skipped"]),
-                **{name: total[key] / scored for name, key in rates.items()}}
-
     def heldout_metrics(self, model, methods_of) -> dict:
         """Teacher-forced metrics on the held-out sequences of the methods `methods_of(model in eval mode)`
         builds ({name: method}), beside the chain's; the model's train/eval mode is restored after."""
@@ -171,6 +158,20 @@ def export_with_drafter(drafter_dir: Path, folder: Path, tensors: dict[str, torc
                      folder / "model.safetensors", metadata={"format": "pt"})
     write_text(folder / "config.json", json.dumps(config, indent=2))
     return folder
+
+
+def summed(stats: list[dict]) -> dict[str, float]:
+    """The micro-batches' stats of a logging window added up (each component's train_metrics divides them)."""
+    return {k: sum(float(s[k]) for s in stats) for k in stats[0]}
+
+
+def scored_rates(stats: list[dict], coverage: str, **rates: str) -> dict[str, float]:
+    """Train metrics of a loss that scores only some positions (stats "scored" / "skipped"): `coverage` the
+    scored share of the positions seen, and each rate name = its stat's count over the scored positions."""
+    total = summed(stats)
+    scored = max(1.0, total["scored"])
+    return {coverage: total["scored"] / max(1.0, total["scored"] + total["skipped"]),
+            **{name: total[key] / scored for name, key in rates.items()}}
 
 
 def offset_head_methods(name: str, load: Callable, load_selector: Callable) -> dict[str, EvalMethod]:

@@ -20,7 +20,7 @@ from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path,
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
-    load_trained, offset_head_methods
+    load_trained, offset_head_methods, scored_rates
 from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_heads."
@@ -69,7 +69,7 @@ class JumpComponent(FrozenDrafterComponent):
                          b["valid"][:, at], weight=self.own.weight, position_weights=weights, **teacher)
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        return self.scored_rates(stats, "candidate_recall", jump_acc="correct", marginal_acc="correct_marginal")
+        return scored_rates(stats, "candidate_recall", jump_acc="correct", marginal_acc="correct_marginal")
 
     def evaluate(self, model) -> dict:
         o = self.own

@@ -23,7 +23,7 @@ from dflash_pipeline.models.jump_head import SeparateJumpHead, head_path, jump_h
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
-    load_trained, offset_head_methods
+    load_trained, offset_head_methods, scored_rates
 from dflash_pipeline.train.selector import load_selector
 
 PREFIX = "jump_head."
@@ -69,7 +69,7 @@ class JumpHeadComponent(FrozenDrafterComponent):
                               marginal_ids=b["cand_ids"][:, at, 0])
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        return self.scored_rates(stats, "vocab_coverage", head_acc="correct", marginal_acc="correct_marginal")
+        return scored_rates(stats, "vocab_coverage", head_acc="correct", marginal_acc="correct_marginal")
 
     def evaluate(self, model) -> dict:
         m = self.heldout_metrics(model, lambda head: {"jump_head": jump_head_method(self.drafter, head, self.own.margin,

@@ -21,7 +21,7 @@ from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.policies import MiddleOutMethod
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.conf.catalogue import EvalMethod
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained, scored_rates
 
 PREFIX = "candidate_selector."
 
@@ -52,8 +52,7 @@ class SelectorComponent(FrozenDrafterComponent):
                              batch["labels"], batch["valid"], self.position_weights(batch))
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        return self.scored_rates(stats, "candidate_recall", selector_acc="selector_correct",
-                                 marginal_acc="marginal_correct")
+        return selector_rates(stats)
 
     def evaluate(self, model) -> dict:
         """Teacher-forced on the held-out sequences: the greedy and Viterbi paths against the chain's and the
@@ -67,6 +66,11 @@ class SelectorComponent(FrozenDrafterComponent):
         tensors = {PREFIX + k: v for k, v in selector.state_dict().items()}
         return self.export_with_drafter(folder, tensors, selector.config_dict(),
                                         {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
+
+
+def selector_rates(stats: list[dict]) -> dict[str, float]:
+    """The selector's train metrics from selector_loss stats, on a frozen drafter or trained jointly with it."""
+    return scored_rates(stats, "candidate_recall", selector_acc="selector_correct", marginal_acc="marginal_correct")
 
 
 def load_selector(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> PairSelector:

@@ -29,7 +29,7 @@ from dflash_pipeline.models.generation import capture
 from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained
+from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained, summed
 
 PREFIX = "weaver."
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class WeaverComponent(FrozenDrafterComponent):
                            tv_weight=self.own.tv_weight)
 
     def train_metrics(self, stats: list[dict]) -> dict:
-        total = self.summed(stats)
+        total = summed(stats)
         return {"pool_miss": 1 - total["in_pool"] / max(1.0, total["positions"]),
                 "weaver_acc": total["correct"] / max(1.0, total["in_pool"]),
                 "ce_in_pool": total["ce_sum"] / max(1.0, total["in_pool"])}
