@@ -206,6 +206,9 @@ class DrafterConfig:
     """The DFlash block drafter (models/drafter.py)."""
 
     num_layers: int = ranged(2, ge=1)
+    # weight-tied depth: the block passes through the num_layers layers this many times (same weights); exported
+    # unrolled as num_layers x layer_repeats layers
+    layer_repeats: int = ranged(1, ge=1)
     hidden_size: Optional[int] = ranged(None, ge=1)  # None: the target's hidden size
     intermediate_size: Optional[int] = ranged(None, ge=1)  # None: the target's intermediate size
     num_attention_heads: Optional[int] = ranged(None, ge=1)

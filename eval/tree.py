@@ -197,13 +197,15 @@ Expand = Callable[[list[int], DraftTree], tuple[torch.Tensor, torch.Tensor]]
 
 
 def build_tree(expand: Expand, budget: int, max_depth: int, children: int = 8,
-               width: int | None = None) -> tuple[DraftTree, list[int]]:
+               width: int | None = None, root_children: int | None = None) -> tuple[DraftTree, list[int]]:
     """The modified DySpec builder: grow the tree by path log-prob, expanding `width` nodes per scoring call.
 
     expand(nodes, tree) -> (child_ids (w, c), child_logprobs (w, c)): `nodes` are indices into `tree` (the tree built
     so far; -1 = the root, the anchor), and row j holds node j's candidate children, best first, with their
     conditional log-probs log p(child | path). Each expanded node pushes its first `children` candidates (those with
-    log-prob -inf are skipped) onto a frontier keyed by path log-prob. The root is expanded alone; then each step
+    log-prob -inf are skipped) onto a frontier keyed by path log-prob; the root pushes `root_children` (default
+    `children`: a wider root spends budget on depth-1 siblings, where a weak drafter's acceptance is decided, and
+    expand must then return that many columns). The root is expanded alone; then each step
     pops the best w = width or ceil(budget / 16) entries (fewer when the frontier or the remaining budget is
     smaller), adds them as nodes in pop order, and expands those shallower than max_depth in one call, except
     after the pop that fills the budget. Returns the tree and the number of nodes of each expand call (the root's
@@ -222,10 +224,11 @@ def build_tree(expand: Expand, budget: int, max_depth: int, children: int = 8,
         if pending:
             child_ids, child_lp = expand(pending, _tree(tokens, parents, depths, scores))
             calls.append(len(pending))
-            child_ids, child_lp = child_ids[:, :children].tolist(), child_lp[:, :children].float().tolist()
+            child_ids, child_lp = child_ids.tolist(), child_lp.float().tolist()
             for node, row_ids, row_lp in zip(pending, child_ids, child_lp):
                 base, depth = (0.0, 0) if node < 0 else (scores[node], depths[node])
-                for tok, lp in zip(row_ids, row_lp):
+                n = (root_children or children) if node < 0 else children
+                for tok, lp in zip(row_ids[:n], row_lp[:n]):
                     if lp != -math.inf:
                         heapq.heappush(frontier, (-(base + lp), counter, node, depth + 1, int(tok)))
                         counter += 1

@@ -59,9 +59,15 @@ class DFlashDrafterConfig:
     mask_token_id: int
     rope_scaling: dict | None = None  # the target's rope parameters besides rope_theta (rope_type, factor, ...)
     attn_implementation: str = "sdpa"  # a key of ATTENTION_FUNCTIONS; a runtime choice, not exported
+    # Weight-tied depth: the block passes through the layer stack this many times (the same weights each time; the
+    # context K/V of a layer are the same on every pass, so they are projected and cached once). Exported unrolled,
+    # as num_hidden_layers x layer_repeats layers of copied weights: engines load an ordinary deeper drafter.
+    layer_repeats: int = 1
 
     def __post_init__(self):
         attention_function(self.attn_implementation)
+        if self.layer_repeats < 1:
+            raise ValueError(f"layer_repeats must be at least 1, got {self.layer_repeats}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one tapped target layer")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -72,11 +78,11 @@ class DFlashDrafterConfig:
             raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
 
     def to_dict(self) -> dict:
-        """The config.json that serving engines load (docs/export.md)."""
+        """The config.json that serving engines load (docs/export.md); a weight-tied stack is written unrolled."""
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
-            "num_hidden_layers": self.num_hidden_layers,
+            "num_hidden_layers": self.num_hidden_layers * self.layer_repeats,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads,
@@ -101,7 +107,8 @@ class DFlashDrafterConfig:
         """Inverse of to_dict; keys it does not know (e.g. the exporter's "pipeline" section) are ignored."""
         nested = d["dflash_config"]
         values = {f.name: d[f.name] for f in fields(cls)
-                  if f.name not in ("target_layer_ids", "mask_token_id", "rope_scaling", "attn_implementation")}
+                  if f.name not in ("target_layer_ids", "mask_token_id", "rope_scaling", "attn_implementation",
+                                    "layer_repeats")}
         return cls(**values, rope_scaling=d.get("rope_scaling"), target_layer_ids=list(nested["target_layer_ids"]),
                    mask_token_id=nested["mask_token_id"])
 
@@ -374,10 +381,14 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(block_pos)
         mask = packed_attention_mask(anchor_pos, Tc, B, context_valid, anchor_valid)[:, None]  # (Bc, 1, Nb*B, Tc+Nb*B)
         x = self._embed(block_ids).reshape(Bc, Nb * B, -1)  # (Bc, Nb*B, H)
-        for layer in self.layers:
-            context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
-            x = layer(x, context_k, context_v, cos, sin, mask)
+        context_kv = [layer.self_attn.project_kv(context, context_cos, context_sin) for layer in self.layers]
+        for i in self.layer_order():
+            x = self.layers[i](x, *context_kv[i], cos, sin, mask)
         return self.norm(x).view(Bc, Nb, B, -1)
+
+    def layer_order(self) -> list[int]:
+        """The layers a block passes through, in order: the stack, layer_repeats times (weight-tied depth)."""
+        return list(range(len(self.layers))) * self.config.layer_repeats
 
     forward = forward_packed  # the training path; DDP/FSDP wrappers call forward
 
@@ -401,8 +412,8 @@ class DFlashDrafter(nn.Module):
         self.extend_cache(new_features, new_positions, cache)
         x = self._embed(block_ids)  # (Bt, B, H)
         cos, sin = self.rotary(block_positions.expand(x.shape[0], -1))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cache.keys[i], cache.values[i], cos, sin)
+        for i in self.layer_order():
+            x = self.layers[i](x, cache.keys[i], cache.values[i], cos, sin)
         return self.norm(x)
 
     # ---- checkpoint: the engine format of docs/export.md ----
@@ -417,6 +428,12 @@ class DFlashDrafter(nn.Module):
         A draft vocabulary that covers the whole target vocabulary is exported as the full vocabulary.
         """
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "draft_to_target"}
+        L = len(self.layers)
+        for r in range(1, self.config.layer_repeats):  # weight-tied depth, unrolled: pass r is layers r*L .. r*L+L-1
+            for k in [k for k in tensors if k.startswith("layers.")]:
+                i, rest = k[len("layers."):].split(".", 1)
+                if int(i) < L:
+                    tensors[f"layers.{r * L + int(i)}.{rest}"] = tensors[k].clone()
         ids = self.draft_to_target
         if ids is None or len(ids) == self.config.vocab_size:
             return tensors, {}

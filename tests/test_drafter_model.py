@@ -206,6 +206,39 @@ def test_save_load_round_trip(tmp_path, draft_vocab):
         assert torch.equal(loaded.to_target_ids(torch.tensor([1, 4])), torch.tensor([0, 98]))
 
 
+@torch.no_grad()
+def test_weight_tied_depth_equals_its_unrolled_export(tmp_path):
+    """drafter.layer_repeats=2: the block passes through the same layers twice, in training and in the cached step;
+    the export is an ordinary drafter of twice the layers (copied weights) that decodes the same, so engines load
+    it without knowing about the tie."""
+    embed, head = target_modules()
+    torch.manual_seed(1)
+    tied = DFlashDrafter(tiny_config(num_hidden_layers=1, layer_repeats=2), embed, head).eval()
+    for p in tied.parameters():
+        if p.ndim == 2:
+            p.normal_(std=0.3)
+    assert len(tied.layers) == 1 and tied.layer_order() == [0, 0]
+    once = DFlashDrafter(tiny_config(num_hidden_layers=1), embed, head).eval()
+    once.load_state_dict(tied.state_dict())
+    features, block_ids, anchor_pos = inputs()
+    packed = tied.forward_packed(features, block_ids, anchor_pos)
+    assert not torch.allclose(packed, once.forward_packed(features, block_ids, anchor_pos))  # the second pass counts
+
+    cache = tied.new_cache()
+    step = tied.forward_step(features[:, :6], torch.arange(6), block_ids[:, 1], torch.arange(6, 6 + B), cache)
+    torch.testing.assert_close(step, packed[:, 1], atol=1e-5, rtol=1e-5)
+
+    tied.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and "layer_repeats" not in config
+    unrolled = DFlashDrafter.from_pretrained(str(tmp_path), embed, head).eval()
+    assert len(unrolled.layers) == 2 and unrolled.layer_order() == [0, 1]
+    assert torch.equal(unrolled.layers[1].mlp.down_proj.weight, tied.layers[0].mlp.down_proj.weight)
+    torch.testing.assert_close(unrolled.forward_packed(features, block_ids, anchor_pos), packed, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="layer_repeats must be at least 1"):
+        tiny_config(layer_repeats=0)
+
+
 def test_load_with_missing_or_unexpected_key_fails_clearly(tmp_path):
     model = tiny_drafter()
     model.save_pretrained(str(tmp_path))

@@ -284,6 +284,20 @@ def test_builder_with_width_one_and_depth_marginals_is_ddtree():
     torch.testing.assert_close(built.scores, want.scores)
 
 
+def test_builder_root_breadth_widens_only_the_root():
+    """root_children > children: the root publishes more depth-1 candidates, deeper nodes keep `children`."""
+    def expand(nodes, tree):  # 12 candidates per node, each a little less likely than the one before
+        return (torch.arange(12).expand(len(nodes), -1) + 100,
+                torch.tensor([-0.1 * (i + 1) for i in range(12)]).expand(len(nodes), -1))
+
+    narrow, _ = build_tree(expand, 300, 3, children=4, width=1)  # a budget above both trees: every candidate enters
+    wide, _ = build_tree(expand, 300, 3, children=4, width=1, root_children=12)
+    kids = lambda tree, p: sum(1 for q in tree.parents.tolist() if q == p)
+    assert len(narrow.tokens) == 4 + 16 + 64 and len(wide.tokens) == 12 + 48 + 192
+    assert kids(narrow, -1) == 4 and kids(wide, -1) == 12
+    assert max(kids(wide, p) for p in range(len(wide.tokens))) == 4
+
+
 def test_builder_stops_when_the_frontier_runs_dry():
     def one_child(nodes, tree):
         return torch.full((len(nodes), 1), 7), torch.full((len(nodes), 1), -0.5)

@@ -18,6 +18,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -45,6 +46,7 @@ class WeaverConfig(FrozenComponentConfig):
     num_heads: int = ranged(4, ge=1)
     mlp_dim: int = ranged(512, ge=1)
     children: int = ranged(8, ge=1)  # children an expanded node publishes to the frontier
+    root_children: Optional[int] = ranged(None, ge=1)  # the root's (depth-1 candidates); None: `children`
     kl_weight: float = ranged(0.0, ge=0.0)  # x KL(target restricted to the pool || Weaver) (needs topk_logprobs)
     tv_weight: float = ranged(0.0, ge=0.0)  # x total variation against the same
     eval_budget: int = ranged(32, ge=1)  # node budget of the held-out tree acceptance reported while training
@@ -137,7 +139,7 @@ class WeaverComponent(FrozenDrafterComponent):
             hits.append((b["cand_ids"] == b["labels"][..., None]).any(-1)[b["valid"]])
         budget = self.own.eval_budget
         trees = tree_offline_metrics(self.drafter, items, self.block_size, {
-            "weaver_tree": WeaverTreeMethod(self.drafter, weaver, budget, self.own.children),
+            "weaver_tree": WeaverTreeMethod(self.drafter, weaver, budget, self.own.children, self.own.root_children),
             "ddtree": DDTreeMethod(self.drafter, budget)}, max_blocks=self.own.eval_blocks)
         weaver.train(was_training)
         valid = torch.cat(valids)
@@ -162,15 +164,16 @@ def load_weaver(folder: Path, device: torch.device, dtype: torch.dtype = torch.f
 
 @torch.no_grad()
 def weaver_tree(weaver: Weaver, drafter, verifier_hidden: torch.Tensor, hidden: torch.Tensor, anchor: int,
-                budget: int, children: int = 8, calls: list | None = None):
+                budget: int, children: int = 8, calls: list | None = None, root_children: int | None = None):
     """The Weaver tree of one block: hidden (B, H) the drafter's block states (anchor first). `calls`, when given,
     receives the number of nodes of each Weaver call."""
     logits = drafter.logits(hidden[1:]).float()
     top = logits.topk(min(weaver.top_k, logits.shape[-1]), -1)
     rnd = WeaverRound(weaver, verifier_hidden.to(hidden.dtype), hidden[1:], drafter.to_target_ids(top.indices),
                       top.values, drafter.lm_head.weight, drafter.embed_tokens, anchor)
-    tree, sizes = build_tree(lambda nodes, t: rnd.expand(nodes, *node_fields(nodes, t, anchor), children), budget,
-                             hidden.shape[0] - 1, children, math.ceil(budget / 16))
+    k = max(children, root_children or children)
+    tree, sizes = build_tree(lambda nodes, t: rnd.expand(nodes, *node_fields(nodes, t, anchor), k), budget,
+                             hidden.shape[0] - 1, children, math.ceil(budget / 16), root_children)
     if calls is not None:
         calls.extend(sizes)
     return tree
@@ -187,13 +190,14 @@ def node_fields(nodes: list[int], tree, anchor: int) -> tuple[list[int], list[in
 class WeaverTreeMethod(TreeMethod):
     """Trees grown by the Weaver from the drafter's pools (docs/methods.md, 'Draft trees')."""
 
-    def __init__(self, drafter, weaver: Weaver, budget: int, children: int = 8):
+    def __init__(self, drafter, weaver: Weaver, budget: int, children: int = 8, root_children: int | None = None):
         super().__init__(drafter, budget)
-        self.weaver, self.children = weaver, children
+        self.weaver, self.children, self.root_children = weaver, children, root_children
         self.name = f"weaver_tree_{budget}"
 
     def tree(self, hidden, verifier_hidden, anchor):
-        return weaver_tree(self.weaver, self.drafter, verifier_hidden, hidden, anchor, self.budget, self.children)
+        return weaver_tree(self.weaver, self.drafter, verifier_hidden, hidden, anchor, self.budget, self.children,
+                           root_children=self.root_children)
 
 
 # The catalogue entry (conf/catalogue.py).
@@ -203,6 +207,7 @@ INPUTS = ("teacher", "drafter")
 COMPONENT = WeaverComponent
 METHODS = {
     "weaver_tree": EvalMethod(lambda m: WeaverTreeMethod(
-        m.drafter, load_weaver(m.exports["weaver"], m.drafter.norm.weight.device), m.budget, m.config.children),
+        m.drafter, load_weaver(m.exports["weaver"], m.drafter.norm.weight.device), m.budget, m.config.children,
+        m.config.root_children),
         tree=True),
 }
