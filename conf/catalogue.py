@@ -3,7 +3,8 @@ are looked up.
 
 A component is one module (train/<name>.py) that declares, at module level:
   CONFIG     its config dataclass, the config group conf/<name>/ (None: it is configured by drafter + trainer)
-  SECTIONS   the config sections of its own that its stage's output depends on (the stage hash adds its inputs')
+  SECTIONS   the config sections of its own that its stage's output depends on (the stage hash adds its inputs'), or
+             a function of the config giving them (the drafter's: the selector's too when trained jointly)
   COMPONENT  its training component, a class following `train.component.TrainingComponent`
   METHODS    the eval methods it brings: {name: EvalMethod}, each made from MethodInputs (its component's config
              included; eval/protocol.py says what a method does)
@@ -61,6 +62,12 @@ def module(name: str) -> ModuleType:
 def config_classes() -> dict[str, type]:
     """{component: its config dataclass} for the components that bring their own config group."""
     return {name: module(name).CONFIG for name in COMPONENTS if module(name).CONFIG is not None}
+
+
+def sections(name: str, cfg) -> tuple[str, ...]:
+    """The config sections of a component's own that its stage depends on, for this config."""
+    own = module(name).SECTIONS
+    return tuple(own(cfg) if callable(own) else own)
 
 
 def on_frozen_drafter(name: str) -> bool:

@@ -37,10 +37,9 @@ def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
         used = {c for m in cfg.eval.methods for c in catalogue.method_components(m)}
         parts = [stage_sections(cfg, train_stage(c)) for c in sorted(used)] + [["eval"]]
     else:
-        mod = catalogue.module(component_of(stage))
-        parts = [stage_sections(cfg, "teacher" if i == "teacher" else "train") for i in mod.INPUTS] + [mod.SECTIONS]
-        if stage == "train" and cfg.trainer.get("selector_loss_weight", 0) > 0:
-            parts.append(["selector"])  # DFlash2 joint training: the drafter's stage trains the selector too
+        name = component_of(stage)
+        parts = [stage_sections(cfg, "teacher" if i == "teacher" else "train") for i in catalogue.module(name).INPUTS]
+        parts.append(catalogue.sections(name, cfg))
     return list(dict.fromkeys(s for part in parts for s in part))
 
 

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from dflash_pipeline.data.shards import DatasetError, TeacherDataset
 from dflash_pipeline.data.splits import PREFILLED
-from dflash_pipeline.models.generation import budget_batches
+from dflash_pipeline.models.generation import capture_batched
 
 PEERS = ("specforge", "speculators")
 
@@ -49,32 +49,12 @@ def trainable_for_peers(mask: torch.Tensor) -> bool:
     return bool(((mask[1:] > 0) & (mask[:-1] > 0)).any())
 
 
-@torch.no_grad()
 def prenorm_final_hidden(model, sequences: list[list[int]], *, pad_id: int, max_tokens: int = 8192
                          ) -> list[torch.Tensor]:
     """The target's last decoder layer output before its final norm, (T, H) float32 per sequence: what speculators
-    recomputes its labels from (lm_head(norm(h))). transformers' last hidden_states entry is after the norm."""
-    seen: list[torch.Tensor] = []
-    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    results: list[torch.Tensor | None] = [None] * len(sequences)
-    done = 0
-    try:
-        for batch in budget_batches([sequences[i] for i in order], len(order), max_tokens):
-            width = max(len(s) for s in batch)
-            ids = torch.full((len(batch), width), pad_id, dtype=torch.long, device=model.device)
-            mask = torch.zeros_like(ids)
-            for r, s in enumerate(batch):
-                ids[r, :len(s)] = torch.tensor(s)
-                mask[r, :len(s)] = 1
-            seen.clear()
-            model.model(input_ids=ids, attention_mask=mask)
-            for r, s in enumerate(batch):
-                results[order[done]] = seen[-1][r, :len(s)].float().cpu()
-                done += 1
-    finally:
-        hook.remove()
-    return results  # type: ignore[return-value]
+    recomputes its labels from (lm_head(norm(h)))."""
+    outs = capture_batched(model, sequences, [], pad_id=pad_id, max_tokens=max_tokens, prenorm_final=True)
+    return [o["prenorm_final_hidden"].float().cpu() for o in outs]
 
 
 def peer_samples(data: TeacherDataset, indices: list[int]) -> tuple[list[dict], int]:

@@ -242,11 +242,14 @@ def capture(
     pad_id: int,
     topk: int = 0,
     final: bool = False,
+    prenorm_final: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """One prefill over right-padded sequences: per sequence the tapped hidden states (T, n*H), concatenated in
     layer order (layer i = hidden_states[i + 1]), optionally the target's top-k log-probs of the distribution
-    that predicted each token (row t from the logits at t-1; row 0 is zero), and with `final` its final (normed)
-    hidden states `final_hidden` (T, H), the rows its LM head reads (the Weaver's verifier input)."""
+    that predicted each token (row t from the logits at t-1; row 0 is zero), with `final` its final (normed)
+    hidden states `final_hidden` (T, H), the rows its LM head reads (the Weaver's verifier input), and with
+    `prenorm_final` its last layer's output before the final norm, `prenorm_final_hidden` (T, H) (transformers'
+    last hidden_states entry is after the norm; speculators recomputes its labels from the one before)."""
     device = model.device
     rows, width = len(sequences), max(len(s) for s in sequences)
     ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
@@ -254,7 +257,13 @@ def capture(
     for r, s in enumerate(sequences):
         ids[r, : len(s)] = torch.tensor(s, device=device)
         mask[r, : len(s)] = 1
-    out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    seen: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0])) if prenorm_final else None
+    try:
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    finally:
+        if hook is not None:
+            hook.remove()
     taps = [out.hidden_states[i + 1] for i in layer_ids] or [out.last_hidden_state[..., :0]]  # no taps: width 0
     feats = torch.cat(taps, dim=-1)  # (rows, width, n*H)
     results = []
@@ -263,6 +272,8 @@ def capture(
         item = {"features": feats[r, :n]}
         if final:
             item["final_hidden"] = out.last_hidden_state[r, :n]
+        if prenorm_final:
+            item["prenorm_final_hidden"] = seen[-1][r, :n]
         if topk:
             item.update(topk_logprobs(model, out.last_hidden_state[r, :n], topk))
         results.append(item)
@@ -282,14 +293,14 @@ def budget_batches(sequences: list, max_rows: int, max_tokens: int) -> list[list
 
 
 def capture_batched(model, sequences: list[list[int]], layer_ids: list[int], *, pad_id: int, max_tokens: int = 8192,
-                    topk: int = 0, final: bool = False) -> list[dict[str, torch.Tensor]]:
+                    topk: int = 0, final: bool = False, prenorm_final: bool = False) -> list[dict[str, torch.Tensor]]:
     """capture() in length-sorted batches of at most `max_tokens` (rows x longest), so one long sequence does not
     pad every row of a single batch to its length; results in the order of `sequences`."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     results: list[dict] = [{}] * len(sequences)
     done = 0
     for batch in budget_batches([sequences[i] for i in order], len(order), max_tokens):
-        for out in capture(model, batch, layer_ids, pad_id=pad_id, topk=topk, final=final):
+        for out in capture(model, batch, layer_ids, pad_id=pad_id, topk=topk, final=final, prenorm_final=prenorm_final):
             results[order[done]] = out
             done += 1
     return results

@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import cached_property
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,6 @@ class Bench:
         self.data = TeacherDataset(args.teacher)
         self.train_idx, self.held_idx = split_heldout(self.data.ids, args.heldout)
         self.lengths = [len(self.data[i]["input_ids"]) for i in self.train_idx]
-        self._target = None
         t = self.cfg.target
         if t.kind == "tiny":  # built in memory: the peers read it from a folder
             self.target_dir = str(self.out / "target")
@@ -164,13 +164,12 @@ class Bench:
         else:
             self.target_dir = resolve_pretrained(t.kind, t.path, t.get("gguf_file"), self.cfg.cache_dir)
 
-    @property
+    @cached_property
     def target(self):
-        if self._target is None:
-            from dflash_pipeline.models.target import load_target
+        """The target, loaded when first needed (a finished bench reads only its records)."""
+        from dflash_pipeline.models.target import load_target
 
-            self._target = load_target(self.cfg.target, self.cfg.cache_dir)
-        return self._target
+        return load_target(self.cfg.target, self.cfg.cache_dir)
 
     def peer_data(self, peer: str) -> Path:
         """The training split in the peer's format (converted once; data/peers.py says how)."""
@@ -189,7 +188,7 @@ class Bench:
         # training sequence stands there, so every training sequence is trained on
         return peers.write_speculators(samples + samples[:1], final + final[:1], folder)
 
-    @property
+    @cached_property
     def mask_token_id(self) -> int:
         """This project's MASK token for the target (train/drafter.py: choose_mask_token), given to every trainer."""
         from dflash_pipeline.train.drafter import drafter_config
@@ -289,7 +288,8 @@ def train(bench: Bench, trainer: str, recipe: str, steps: int) -> dict:
     folder = bench.out / f"{trainer}-{recipe}"
     record = folder / "train.json"
     folder.mkdir(parents=True, exist_ok=True)
-    command = COMMANDS[trainer](bench, recipe, folder, steps)[0]
+    full = COMMANDS[trainer](bench, recipe, folder, steps)  # (command, export) of the S-step run
+    command = full[0]
     if record.is_file() and json.loads(record.read_text()).get("command") == command:
         return json.loads(record.read_text())
     shutil.rmtree(folder / "eval", ignore_errors=True)  # another run's evaluation
@@ -299,7 +299,7 @@ def train(bench: Bench, trainer: str, recipe: str, steps: int) -> dict:
         shutil.rmtree(sub / "ckpt", ignore_errors=True)
         shutil.rmtree(sub / "train", ignore_errors=True)
         sub.mkdir(parents=True, exist_ok=True)
-        cmd, export = COMMANDS[trainer](bench, recipe, sub, n)
+        cmd, export = full if sub == folder else COMMANDS[trainer](bench, recipe, sub, n)
         log(f"training {trainer} ({recipe}) for {n} steps: {sub}")
         times[n] = run(["/usr/bin/time", "-v", "-o", str(sub / "time.txt"), *cmd], log_file=sub / "train.log",
                        env=None if trainer == "ours" else peer_env(trainer), memory=memory)

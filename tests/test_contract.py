@@ -253,10 +253,13 @@ class ReadRecorder:
         return self._cfg.get(key, default)
 
 
-@pytest.mark.parametrize("name", list(catalogue.COMPONENTS))
-def test_sections_cover_the_config_a_component_reads(varying, tmp_path, name):
+@pytest.mark.parametrize("name, overrides", [(name, {}) for name in catalogue.COMPONENTS]
+                         + [("drafter", {"selector_loss_weight": 1.0})])  # DFlash2 joint: the selector's too
+def test_sections_cover_the_config_a_component_reads(varying, tmp_path, name, overrides):
     """A section a component reads but its stage hash omits would let a changed value reuse stale outputs."""
-    cfg, teacher, train = varying.cfg, varying.teacher, varying.train
+    cfg, teacher, train = varying.cfg.copy(), varying.teacher, varying.train
+    for key, value in overrides.items():
+        cfg.trainer[key] = value
     recorder = ReadRecorder(cfg)
     inputs = StageInputs(teacher=teacher, drafter=train / "export" if catalogue.on_frozen_drafter(name) else None)
     comp = catalogue.module(name).COMPONENT(recorder, inputs, torch.device("cpu"))

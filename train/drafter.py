@@ -333,10 +333,16 @@ class DrafterComponent:
         return folder
 
 
+def sections(cfg) -> tuple[str, ...]:
+    """The drafter stage's own config sections; DFlash2 joint training (trainer.selector_loss_weight > 0) trains the
+    selector in this stage too, so its settings enter the stage hash."""
+    return ("drafter", "trainer") + (("selector",) if cfg.trainer.get("selector_loss_weight", 0) > 0 else ())
+
+
 # The catalogue entry (conf/catalogue.py): configured by the drafter and trainer sections, trained on the teacher
 # data, drafting with the chain method.
 CONFIG = None
-SECTIONS = ("drafter", "trainer")
+SECTIONS = sections
 INPUTS = ("teacher",)
 COMPONENT = DrafterComponent
 METHODS = {
