@@ -156,7 +156,7 @@ def main() -> None:
     ax.set_ylabel("tau_offline, mean of MT-Bench and HumanEval")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "recipes.png", dpi=120)
+    fig.savefig(out / "recipes.png", dpi=120, bbox_inches="tight")
     print((out / "recipes.md").read_text())
 
 

@@ -226,6 +226,20 @@ def test_feature_noise_is_seeded_per_step_and_scaled_to_the_features(tiny_teache
     assert 0.07 < float(ratio.median()) < 0.13, "noise of 0.1 x each feature vector's RMS"
 
 
+def test_weight_tied_depth_trains_and_exports_unrolled(tiny_teacher, tmp_path):
+    """drafter.layer_repeats=2 (DFlash2's same layers applied twice): one layer of parameters trains, the export is
+    a two-layer drafter whose layers are the same weights, which the eval stage loads like any other."""
+    cfg = make_config("drafter.layer_repeats=2", "trainer.steps=2")
+    comp = DrafterComponent(cfg, StageInputs(tiny_teacher), torch.device("cpu"))
+    assert len(comp.model.layers) == 1 and comp.model.layer_order() == [0, 0]
+    run = run_train(cfg, tmp_path / "run", data_dir=tiny_teacher)
+    drafter = DFlashDrafter.from_pretrained(str(run / "export"), comp.target.model.get_input_embeddings(),
+                                            comp.target.model.get_output_embeddings())
+    assert len(drafter.layers) == 2
+    for a, b in zip(drafter.layers[0].parameters(), drafter.layers[1].parameters()):
+        assert torch.equal(a, b)
+
+
 def test_dflash2_joint_training_trains_the_selector_with_the_drafter(tiny_teacher, tmp_path):
     """trainer.selector_loss_weight > 0 (DFlash2 joint): the selector's loss also reaches the drafter, one run
     exports the drafter and, where the eval stage's selector methods look, the DFlash2 checkpoint carrying that very
