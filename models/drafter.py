@@ -428,12 +428,10 @@ class DFlashDrafter(nn.Module):
         A draft vocabulary that covers the whole target vocabulary is exported as the full vocabulary.
         """
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "draft_to_target"}
-        L = len(self.layers)
+        L, stack = len(self.layers), [k.split(".", 2)[1:] for k in tensors if k.startswith("layers.")]
         for r in range(1, self.config.layer_repeats):  # weight-tied depth, unrolled: pass r is layers r*L .. r*L+L-1
-            for k in [k for k in tensors if k.startswith("layers.")]:
-                i, rest = k[len("layers."):].split(".", 1)
-                if int(i) < L:
-                    tensors[f"layers.{r * L + int(i)}.{rest}"] = tensors[k].clone()
+            for i, rest in stack:
+                tensors[f"layers.{r * L + int(i)}.{rest}"] = tensors[f"layers.{i}.{rest}"].clone()
         ids = self.draft_to_target
         if ids is None or len(ids) == self.config.vocab_size:
             return tensors, {}

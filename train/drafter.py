@@ -76,7 +76,7 @@ def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFl
         hidden_size=d.hidden_size or tc.hidden_size,
         intermediate_size=d.intermediate_size or tc.intermediate_size,
         num_hidden_layers=d.num_layers,
-        layer_repeats=d.get("layer_repeats", 1),
+        layer_repeats=d.layer_repeats,
         num_attention_heads=d.num_attention_heads or tc.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads or tc.num_key_value_heads,
         head_dim=head_dim,
