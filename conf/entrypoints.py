@@ -50,8 +50,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from dflash_pipeline.models.target import TargetError
     from dflash_pipeline.eval.stage import EvalError
     from dflash_pipeline.train.loop import TrainError
+    from dflash_pipeline.models.vllm_engine import VLLMError
 
-    return (ConfigError, DatasetError, DataSourceError, TargetError, TrainError, EvalError)
+    return (ConfigError, DatasetError, DataSourceError, TargetError, TrainError, EvalError, VLLMError)
 
 
 def _job_dirs() -> tuple[Path, Path | None]:

@@ -101,6 +101,11 @@ class MixedPrecision(Choice):
     fp8 = "fp8"
 
 
+class Engine(Choice):
+    hf = "hf"  # the project's own loop on transformers
+    vllm = "vllm"  # vLLM in its own virtual environment (models/vllm_engine.py; bash scripts/setup_vllm.sh)
+
+
 class LoggerKind(Choice):
     wandb = "wandb"
     none = "none"
@@ -132,7 +137,8 @@ class TinyTargetConfig:
     hidden_size: int = ranged(64, ge=1)
     intermediate_size: int = ranged(128, ge=1)
     num_hidden_layers: int = ranged(6, ge=1)
-    num_attention_heads: int = ranged(4, ge=1)
+    # head_dim 32: the smallest head vLLM's CPU attention runs (the served eval and the vLLM teacher load this target)
+    num_attention_heads: int = ranged(2, ge=1)
     num_key_value_heads: int = ranged(2, ge=1)
     max_position_embeddings: int = ranged(2048, ge=1)
     init_seed: int = 0
@@ -199,6 +205,10 @@ class TeacherConfig:
     # data.num_samples regenerated and teacher.prefill_samples more conversations prefilled (held out: regenerated)
     mode: TeacherMode = TeacherMode.regenerate
     prefill_samples: int = ranged(0, ge=0)  # mixed: conversations prefilled besides the regenerated ones
+    # who writes the regenerated replies: hf (the project's continuous batching) or vllm (vLLM in its own venv:
+    # bash scripts/setup_vllm.sh); features always come from the target's prefill capture here (teacher.capture is
+    # then `separate`), so both engines give the same kind of dataset
+    engine: Engine = Engine.hf
 
 
 @dataclass
@@ -277,6 +287,19 @@ class PolicyConfig:
 
 
 @dataclass
+class ServedConfig:
+    """eval.served: the exported drafter served by an engine on the eval's prompts, beside the own loop (the chain
+    method), with the parity gate (eval/served.py)."""
+
+    engine: Optional[Engine] = None  # vllm: serve it in vLLM; None: the own loop only
+    # reduced precision: the most |served - own| unconditional acceptance per position (and relative tau) the gate
+    # passes; float32 needs equal counters
+    tolerance: float = ranged(0.02, ge=0.0)
+    batch: int = ranged(8, ge=0)  # requests of the batched timing (0 or 1: batch 1 only)
+    strict: bool = False  # true: a failed gate fails the eval stage (false: reported in results and the log)
+
+
+@dataclass
 class EvalConfig:
     """Evaluation (eval/stage.py): offline (teacher-forced) and online (real verification) acceptance, speed."""
 
@@ -315,6 +338,7 @@ class EvalConfig:
     # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).
     num_threads: Optional[int] = ranged(1, ge=1)
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # decoding policies' settings (eval/policies.py)
+    served: ServedConfig = field(default_factory=ServedConfig)  # acceptance where users serve (eval/served.py)
 
 
 @dataclass

@@ -33,6 +33,8 @@ from dflash_pipeline.data.files import write_json, write_text
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.eval import report
+from dflash_pipeline.eval import served as served_eval
+from dflash_pipeline.models.vllm_engine import vllm_python
 from dflash_pipeline.eval.decode import SpecResult, autoregressive, speculative
 from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, NEAR_TIE, WRONG, ExactnessJudge, rounds_before
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, offline_metrics
@@ -41,7 +43,7 @@ from dflash_pipeline.eval.references import ReferenceCache, turn_prompts
 from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
-from dflash_pipeline.models.target import Target, load_target, torch_dtype
+from dflash_pipeline.models.target import Target, load_target, target_folder, torch_dtype
 from dflash_pipeline.data.splits import split_heldout, step_seed
 from dflash_pipeline.conf import catalogue
 from dflash_pipeline.conf.logger import RunLogger
@@ -250,6 +252,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
              label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
              res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
     res["ar_outputs"] = [r.ar[0][0] for r in runs if r.repeat == 0]
+    res["spec_rounds"] = [r.spec[0].accepted for r in runs if r.repeat == 0]  # every round, near-ties or not
     return res
 
 
@@ -514,6 +517,13 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         ([] if device.type == "cuda" else ["float32", "bfloat16"])
     baselines = baseline_models(target, [str(d) for d in dtypes], judge)
     methods = load_methods(cfg, drafter, train_dir, component_dirs, drafter_dir)
+    if e.served.engine:  # refused before any decoding: what the served eval needs
+        if "chain" not in methods:
+            raise EvalError("eval.served compares the served drafter with the own loop's chain method: add chain to "
+                            "eval.methods")
+        if e.temperature > 0:
+            raise EvalError("eval.served compares greedy decodes: set eval.temperature=0")
+        vllm_python(cfg.cache_dir)
     for name, method in methods.items():
         try:
             method.check(B, e.temperature)
@@ -587,7 +597,9 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             results["policies"][m] = chosen
             log.info("%s: %s", m, chosen)
 
-    for label, prompts in prompt_sets.items():
+    def evaluate_set(label: str, prompts: list[dict]) -> dict:
+        """The offline metrics and every method's online decode of one eval set; {method: (AR outputs, rounds)}."""
+        own_runs = {}
         seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, replies[label])]
         on_replies = offline(reply_items(target, layer_ids, seqs, final=bool(trees)), label, e.online_prompts)
         results["offline"][label] = on_replies
@@ -600,7 +612,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
                                 repeats=e.timing_repeats, strict=e.strict_exact, costs=here, judge=judge,
                                 baselines=baselines)
-            online.pop("ar_outputs")
+            own_runs[m] = (online.pop("ar_outputs"), online.pop("spec_rounds"))
             own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {
                 **online,
@@ -614,4 +626,48 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                 "oracle_tau": on_replies["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
                 "prompt_ids": [p["id"] for p in prompts[: e.online_prompts]],
             }
+        return own_runs
+
+    own_runs = {label: evaluate_set(label, prompts) for label, prompts in prompt_sets.items()}
+    if e.served.engine:  # after the own loop's timing, so that no engine process shares the cores with it
+        results["served"] = serve(cfg, target, drafter, drafter_dir, B, judge, prompt_sets, own_runs, results)
     return results
+
+
+def serve(cfg: DictConfig, target: Target, drafter: DFlashDrafter, drafter_dir: Path, B: int, judge: ExactnessJudge,
+          prompt_sets: dict[str, list[dict]], own_runs: dict, results: dict) -> dict:
+    """The exported drafter served by vLLM on each set's online prompts, beside the own loop's chain runs of the
+    same prompts (eval/served.py): per-position acceptance served / own loop / teacher-forced, exactness, speed,
+    and the parity gate's verdict per set."""
+    e = cfg.eval
+    folder = target_folder(cfg.target, cfg.cache_dir)
+    threads = e.num_threads or torch.get_num_threads()
+    out = {"engine": str(e.served.engine), "target_dir": str(folder), "threads": threads,
+           "dtype": target.dtype, "tolerance": e.served.tolerance, "sets": {}}
+    log_file = Path(cfg.cache_dir) / "vllm" / "engine.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log.info("serving %s on %s in vLLM (%s, %d threads; engine log %s)", drafter_dir, folder, target.dtype, threads,
+             log_file)
+    served_contract, own_contract = served_eval.export_contract(drafter_dir), served_eval.drafter_contract(drafter)
+    engine = served_eval.ServedEval(cfg.cache_dir, folder, drafter_dir, target.dtype, B,
+                                    target.model.config.max_position_embeddings, threads, log_file)
+    try:
+        for label, prompts in prompt_sets.items():
+            timed = prompts[: e.online_prompts]
+            ar, rounds = own_runs[label]["chain"]
+            out["sets"][label] = served_eval.compare(
+                engine.run([p["prompt_ids"] for p in timed], e.max_new_tokens, target.eos_ids, e.timing_repeats,
+                           e.served.batch), timed, rounds, ar, B - 1, target.dtype, judge, e.served.tolerance,
+                served_contract, own_contract, results["offline"][label]["methods"]["chain"]["a_k"],
+                results["methods"]["chain"][label]["a_k_online"])
+            own = results["methods"]["chain"][label]
+            fastest = min(own.get("ms_per_token_ar_by_dtype", {}).values(), default=own["ms_per_token_ar"])
+            out["sets"][label]["speedup_vs_own_fastest_ar"] = out["sets"][label]["tokens_per_s_spec"] * fastest / 1e3
+    finally:
+        engine.close()
+    out["pass"] = all(r["gate"]["pass"] for r in out["sets"].values())
+    if not out["pass"] and e.served.strict:
+        raise EvalError("; ".join(r["gate"]["line"] for r in out["sets"].values() if not r["gate"]["pass"])
+                        + " (eval.served.strict=true)")
+    return out
+

