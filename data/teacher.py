@@ -22,6 +22,7 @@ progress, so the result is the same dataset an uninterrupted run writes.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,7 +41,8 @@ from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDat
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.splits import PREFILLED
 from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs
-from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, torch_dtype
+from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, target_folder, torch_dtype
+from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, vllm_python
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +120,14 @@ def sample_seed(seed: int, sample_id: str, turn: int) -> int:
 
 # -- one shard -------------------------------------------------------------------------------------------------
 def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, progress: Progress | None = None,
-               layer_ids: list[int] | None = None) -> list[dict]:
+               layer_ids: list[int] | None = None, engine: VLLMEngine | None = None) -> list[dict]:
     """Regenerate the assistant turns of `convs` (turn by turn, each turn one continuously batched generation of
     every sample that has it); returns samples with input_ids and loss_mask. With layer_ids, also their
     features and final hidden states as generation computes them (from the last turn's prefill and decode steps).
 
     progress: counts each conversation as done in equal parts as its replies finish (inside a generation batch),
-    and the generated tokens as "gen tok".
+    and the generated tokens as "gen tok". engine: vLLM writes the replies instead (teacher.engine=vllm; greedy,
+    all of a turn's prompts in one request batch); features are then left to add_features.
     """
     tok, t = target.tokenizer, cfg.teacher
     eos_ids = target.eos_ids
@@ -165,7 +168,12 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
                         on_step=on_step if progress else None, batch_size=t.batch_size,
                         prefill_tokens=t.prefill_batch_tokens)
         prompts = [s["input_ids"] for s in todo]
-        if layer_ids is None:
+        if engine is not None:
+            replies = engine.generate(prompts, t.max_new_tokens, sorted(eos_ids), batch=True)["outputs"]
+            captured = [None] * len(todo)
+            if progress:
+                on_step(sum(map(len, replies)), list(range(len(todo))))
+        elif layer_ids is None:
             replies, captured = generate(target.model, prompts, **settings), [None] * len(todo)
         else:
             replies, captured = generate_capturing(target.model, prompts, layer_ids, **settings)
@@ -197,13 +205,13 @@ def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg:
 
 
 def teacher_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_ids: list[int],
-                    progress: Progress | None = None) -> list[dict]:
+                    progress: Progress | None = None, engine: VLLMEngine | None = None) -> list[dict]:
     """The finished samples of `convs` (one shard): regenerated replies, loss masks, features (teacher.capture),
     and for conversations marked "prefill" (teacher.mode prefill / mixed) their own replies, prefilled. With any
     prefilled sample in the dataset, every sample carries `targets` (a regenerated one: its own tokens)."""
     regen = [c for c in convs if not c.get("prefill")]
-    during = layer_ids if cfg.teacher.capture == "during" else None
-    samples = regenerate(target, regen, cfg, cfg.seed, progress, during) if regen else []
+    during = layer_ids if cfg.teacher.capture == "during" and engine is None else None
+    samples = regenerate(target, regen, cfg, cfg.seed, progress, during, engine) if regen else []
     add_features(target, samples, layer_ids, cfg)
     prefilled = [c for c in convs if c.get("prefill")]
     if prefilled:
@@ -298,6 +306,30 @@ def teacher_conversations(cfg: DictConfig, target: Target, note) -> list[dict]:
     return convs
 
 
+def check_engine(cfg: DictConfig) -> None:
+    """teacher.engine=vllm: refused in one line where it cannot make the dataset (before any output)."""
+    if cfg.teacher.engine != "vllm":
+        return
+    if cfg.teacher.temperature > 0:
+        raise DatasetError("teacher.engine=vllm regenerates greedily (replies token-identical to the hf engine's); "
+                           "set teacher.temperature=0 or use teacher.engine=hf for sampled replies")
+    try:
+        vllm_python(cfg.cache_dir)
+    except VLLMError as err:
+        raise DatasetError(str(err)) from None
+
+
+def teacher_engine(cfg: DictConfig, target: Target, out: Path) -> contextlib.AbstractContextManager:
+    """The vLLM engine that writes the replies (teacher.engine=vllm), on the target's folder in the target's dtype
+    with this process's threads, logging to <out>/vllm.log; a null context for the hf engine."""
+    if cfg.teacher.engine != "vllm":
+        return contextlib.nullcontext()
+    log.info("teacher: replies from vLLM (engine log %s)", out / "vllm.log")
+    return VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), target.dtype,
+                      target.model.config.max_position_embeddings, threads=torch.get_num_threads(),
+                      max_num_seqs=cfg.teacher.batch_size, log_file=out / "vllm.log")
+
+
 def run_teacher(cfg: DictConfig, out: Path) -> Path:
     """Build (or finish) the teacher dataset of `cfg` in folder `out`; returns `out`."""
     check_config(cfg)
@@ -311,6 +343,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
         return out
 
     # Everything that can fail on bad input is checked before the output folder is created.
+    check_engine(cfg)
     target = load_target(cfg.target, cfg.cache_dir)
     layer_ids = resolve_layer_ids(cfg.teacher.layer_ids, cfg.teacher.num_taps, target.num_layers)
     feature_dtype = torch_dtype(cfg.teacher.feature_dtype)
@@ -347,10 +380,13 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
     done = total - sum(len(shards[k]) for k in todo)
     log.info("teacher: %d samples in %d shards (%d done), layers %s -> %s", total, len(mine), done, layer_ids, out)
     desc = "teacher" if state.num_processes == 1 else f"teacher (rank 0 of {state.num_processes})"
-    with Progress(desc, total, "sample", initial=done, enabled=state.is_main_process) as bar:
+    regenerating = any(not convs[i]["prefill"] for k in todo for i in shards[k])
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(teacher_engine(cfg, target, out)) if regenerating else None
+        bar = stack.enter_context(Progress(desc, total, "sample", initial=done, enabled=state.is_main_process))
         for k in todo:  # the bar moves as replies finish; features and the shard file follow each shard
             start = time.perf_counter()
-            samples = teacher_samples(target, [convs[i] for i in shards[k]], cfg, layer_ids, bar)
+            samples = teacher_samples(target, [convs[i] for i in shards[k]], cfg, layer_ids, bar, engine)
             write_shard(out, k, samples, feature_dtype, process=f"{state.process_index} of {state.num_processes}",
                         seconds=time.perf_counter() - start)
     state.wait_for_everyone()
@@ -372,6 +408,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
             "feature_dtype": cfg.teacher.feature_dtype,
             "topk_logprobs": cfg.teacher.topk_logprobs,
             "mode": str(cfg.teacher.mode),
+            "engine": str(cfg.teacher.engine),  # who wrote the regenerated replies (features: always this target)
             "num_prefilled": sum(c["prefill"] for c in convs),
             "num_samples": sum(r["num_samples"] for r in records),
             "num_tokens": sum(r["num_tokens"] for r in records),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_pipeline.data.files import atomic_path
+from dflash_pipeline.eval.metrics import simulated_tau
 
 
 def _f(x, digits: int = 3) -> str:
@@ -104,7 +105,38 @@ def markdown(results: dict) -> str:
         for ds, r in per.items():
             row(f"{m} {ds} a_k offline", r["a_k_offline"])
             row(f"{m} {ds} a_k online", r["a_k_online"])
+    lines += served_markdown(results.get("served"), row)
     return "\n".join(lines) + "\n"
+
+
+def served_markdown(served: dict | None, row) -> list[str]:
+    """The served section: per set the three acceptance figures per position (teacher-forced, own loop, served),
+    the gate's verdict, exactness and speed of the engine's speculative against its plain decoding."""
+    if not served:
+        return []
+    lines = ["", f"## Served ({served['engine']}, {served['dtype']}, {served['threads']} threads)", "",
+             "Parity gate: " + ("passed on every set." if served["pass"] else "FAILED (see the lines below)."), "",
+             "| set | prompts | tau teacher-forced / own loop / served | drafts own / served | spec = plain outputs | "
+             "near-ties / wrong vs own AR | plain tok/s | spec tok/s | speedup | batched plain / spec tok/s (speedup) "
+             "| spec vs own fastest AR | gate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for ds, r in served["sets"].items():
+        tau_tf = simulated_tau(r["a_k_teacher_forced"])
+        batched = (f"{_f(r['tokens_per_s_plain_batched'], 1)} / {_f(r['tokens_per_s_spec_batched'], 1)} "
+                   f"({_f(r['speedup_batched'], 2)}x, {r['batch']} requests)" if "batch" in r else "-")
+        lines.append(f"| {ds} | {r['prompts']} | {_f(tau_tf)} / {_f(r['tau_own'])} / {_f(r['tau_served'])} | "
+                     f"{r['counters_own']['drafts']} / {r['counters_served']['drafts']} | "
+                     f"{r['spec_identical_to_plain']} / {r['prompts']} | {len(r['near_ties'])} / {len(r['wrong'])} | "
+                     f"{_f(r['tokens_per_s_plain'], 1)} | {_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x | "
+                     f"{batched} | {_f(r['speedup_vs_own_fastest_ar'], 2)}x | {'pass' if r['gate']['pass'] else 'FAIL'} |")
+    lines.append("")
+    lines += [f"- {ds}: {r['gate']['line']}" for ds, r in served["sets"].items()]
+    lines.append("")
+    for ds, r in served["sets"].items():
+        row(f"{ds} a_k teacher-forced", r["a_k_teacher_forced"])
+        row(f"{ds} a_k own loop", r["a_k_own"])
+        row(f"{ds} a_k served", r["a_k_served"])
+    return lines
 
 
 def plot_acceptance(results: dict, path: Path) -> None:
@@ -129,6 +161,13 @@ def plot_acceptance(results: dict, path: Path) -> None:
         ax.set(title=f"{m}: conditional acceptance a_k", xlabel="draft position k", ylabel="a_k", ylim=(0, 1.02),
                xticks=xs)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    served = results.get("served")
+    if served and "chain" in methods:  # the chain panel also shows the served curve of each set
+        ax = axes[0][methods.index("chain")]
+        for i, (ds, r) in enumerate(served["sets"].items()):
+            ax.plot(xs, r["a_k_served"], "-.s", color=f"C{i}", markersize=4,
+                    label=f"{ds} served {served['engine']} (tau {r['tau_served']:.2f})")
         ax.legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -155,6 +194,8 @@ def loggable(results: dict) -> dict:
     metrics = {f"offline/{ds}": numeric(r) for ds, r in results["offline"].items() if r}
     for m, per in results["methods"].items():
         metrics.update({f"{m}/{ds}": numeric(r) for ds, r in per.items()})
+    for ds, r in ((results.get("served") or {}).get("sets") or {}).items():
+        metrics[f"served/{ds}"] = {**numeric(r), "gate_pass": int(r["gate"]["pass"])}
     return metrics
 
 
@@ -183,6 +224,10 @@ def log_wandb(logger, results: dict) -> None:
         if held:
             ys.append(held["a_k"])
             keys.append("teacher held-out")
+        if m == "chain" and results.get("served"):
+            for ds, r in results["served"]["sets"].items():
+                ys.append(r["a_k_served"])
+                keys.append(f"{ds} served")
         payload[f"eval/{m}_acceptance"] = wandb.plot.line_series(xs=xs, ys=ys, keys=keys, xname="draft position k",
                                                                  title=f"{m}: a_k offline vs online")
     run.log(payload, step=0)

@@ -84,9 +84,11 @@ class VLLMEngine:
     speculative: vLLM's speculative_config (None: plain decoding)."""
 
     def __init__(self, cache_dir: str | Path, model: str | Path, dtype: str, max_model_len: int,
-                 speculative: dict | None = None, threads: int = 1, log_file: Path | None = None):
+                 speculative: dict | None = None, threads: int = 1, log_file: Path | None = None,
+                 max_num_seqs: int = 64):
         python = vllm_python(cache_dir)
-        settings = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "speculative": speculative}
+        settings = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "speculative": speculative,
+                    "max_num_seqs": max_num_seqs}
         self.log_file = log_file
         stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen([str(python), str(WORKER), json.dumps(settings)], stdin=subprocess.PIPE,
