@@ -6,10 +6,12 @@
 - and the two ways of capturing features: a separate prefill pass over the finished sequences
   (teacher.capture=separate) against keeping the tapped layers' hidden states as generation computes them
   (teacher.capture=during, the default);
-- for every --dtypes (float32 and bfloat16 by default), all of the above, then the teacher's throughput side by side.
+- for every --dtypes (float32 and bfloat16 by default), all of the above, then the teacher's throughput side by side;
+- with --vllm, the vLLM teacher (teacher.engine=vllm: vLLM's replies, then the target's prefill capture) on the same
+  prompts: reply tokens/s against HF continuous batching, with features against the HF teacher, identical replies.
 
     python scripts/bench_teacher.py [--prompts 128] [--baseline-prompts 16] [--max-new-tokens 96]
-        [--dtypes float32 bfloat16] [--batch-size 32]
+        [--dtypes float32 bfloat16] [--batch-size 32] [--vllm]
 
 The teacher runs a queue of many prompts through a fixed number of rows, so the batched paths get more prompts
 than rows (128 through 32 by default: refilling only pays once there is a queue). The one-prompt loop is slow, so
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
@@ -43,6 +46,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="the target's dtypes, side by side")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--skip-baseline", action="store_true", help="only the batched paths (ratios between them)")
+    ap.add_argument("--vllm", action="store_true", help="also the vLLM teacher (teacher.engine=vllm) on the same "
+                    "prompts: needs bash scripts/setup_vllm.sh")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. target=tiny")
     args = ap.parse_args()
     if args.prompts < 1 or args.baseline_prompts < 1:
@@ -144,7 +149,43 @@ def bench(args, dtype: str) -> float:
           f"{tokens / taps:.1f} ({(cont + capture_s) / taps:.2f}x)"
           + (f"; against one prompt at a time (no features): {tokens / taps / base_rate:.2f}x"
              if not args.skip_baseline else ""))
+    if args.vllm:
+        vllm_side_by_side(args, cfg, target, prompts, layer_ids, runs["continuous batching"], tokens / taps)
     return tokens / taps
+
+
+def vllm_side_by_side(args, cfg, target, prompts: list[list[int]], layer_ids: list[int], hf_run, hf_teacher_rate):
+    """The same prompts through vLLM (teacher.engine=vllm: greedy replies from the engine, then the target's
+    prefill capture of the features), against the HF teacher (continuous batching + features kept)."""
+    import tempfile
+
+    from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
+    from dflash_pipeline.models.target import target_folder
+    from dflash_pipeline.models.vllm_engine import VLLMEngine
+
+    log_file = Path(tempfile.gettempdir()) / "bench_teacher_vllm.log"
+    t0 = time.perf_counter()
+    with VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), target.dtype,
+                    target.model.config.max_position_embeddings, threads=torch.get_num_threads(),
+                    max_num_seqs=args.batch_size, log_file=log_file) as engine:
+        start_s = time.perf_counter() - t0
+        engine.generate(prompts[:2], 4, sorted(target.eos_ids), batch=True)  # warm-up
+        t0 = time.perf_counter()
+        replies = engine.generate(prompts, args.max_new_tokens, sorted(target.eos_ids), batch=True)["outputs"]
+        gen_s = time.perf_counter() - t0
+    samples = [{"input_ids": p + r} for p, r in zip(prompts, replies)]
+    t0 = time.perf_counter()
+    add_features(target, samples, layer_ids, cfg)
+    capture_s = time.perf_counter() - t0
+    judge = ExactnessJudge(target.model, cfg.eval.near_tie_tolerance)
+    kinds = [judge.classify(p, ref, got).kind for p, ref, got in zip(prompts, hf_run[0], replies)]
+    tokens = sum(map(len, replies))
+    print(f"vLLM ({target.dtype}, engine start {start_s:.0f} s not counted; log {log_file}): replies "
+          f"{tokens / gen_s:.1f} tok/s ({tokens / gen_s / (sum(map(len, hf_run[0])) / hf_run[1]):.2f}x HF continuous "
+          f"batching); with the features' prefill capture {tokens / (gen_s + capture_s):.1f} tok/s = "
+          f"{tokens / (gen_s + capture_s) / hf_teacher_rate:.2f}x the HF teacher; replies identical to HF "
+          f"{kinds.count(IDENTICAL)}/{len(kinds)}, near-ties {kinds.count(NEAR_TIE)}, other "
+          f"{len(kinds) - kinds.count(IDENTICAL) - kinds.count(NEAR_TIE)}")
 
 
 if __name__ == "__main__":

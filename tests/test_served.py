@@ -1,0 +1,246 @@
+"""Served acceptance and the parity gate (eval/served.py), and the vLLM teacher (teacher.engine=vllm).
+
+The gate's arithmetic and its diagnosis run everywhere; the tests that serve through vLLM need its venv
+(`bash scripts/setup_vllm.sh`, which .ci/run runs) and are skipped, with that reason, where it is absent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_pipeline.eval import served
+from dflash_pipeline.eval.metrics import accepted_length_stats
+from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.models.vllm_engine import VLLMError, venv_dir, vllm_python
+from dflash_pipeline.train.drafter import drafter_config
+
+from conftest import ROOT, make_config, user_env
+
+TAPS = [1, 3]
+
+
+def vllm_missing() -> str | None:
+    try:
+        vllm_python(make_config().cache_dir)
+    except VLLMError as err:
+        return str(err)
+    return None
+
+
+needs_vllm = pytest.mark.skipif(vllm_missing() is not None, reason=f"{vllm_missing()}")
+
+
+# -- counters and the gate ---------------------------------------------------------------------------------------
+def test_counters_from_own_rounds_mean_what_vllm_counts():
+    """vLLM counts, per draft position k, the drafts that accepted at least k tokens: from the own loop's rounds
+    that gives the same a_k and tau as the own eval's accepted_length_stats."""
+    rounds = [[0, 2, 1], [3, 0], []]
+    counts = served.own_counts(rounds, 3)
+    assert counts == {"drafts": 5, "accepted": 6, "accepted_per_pos": [3, 2, 1]}
+    stats = accepted_length_stats([n for r in rounds for n in r], 4)
+    r = served.rates(counts)
+    assert r["a_k"] == pytest.approx(stats["a_k"]) and r["tau"] == pytest.approx(stats["tau"])
+    assert served.summed([{"drafts": 2, "accepted": 1, "accepted_per_pos": [1]},
+                          {"drafts": 3, "accepted": 5, "accepted_per_pos": [3, 2]}], 3) == \
+        {"drafts": 5, "accepted": 6, "accepted_per_pos": [4, 2, 0]}
+
+
+def test_gate_needs_equal_counters_in_float32_and_a_tolerance_in_bf16():
+    own = {"drafts": 100, "accepted": 40, "accepted_per_pos": [30, 8, 2]}
+    near = {"drafts": 101, "accepted": 41, "accepted_per_pos": [31, 8, 2]}
+    same = {}
+    assert served.gate(own, dict(own), "float32", 0.02, True, same, same)["pass"]
+    assert not served.gate(own, near, "float32", 0.02, True, same, same)["pass"]  # one round off: fails
+    assert served.gate(own, near, "bfloat16", 0.02, True, same, same)["pass"]  # within 2% per position
+    far = {"drafts": 100, "accepted": 30, "accepted_per_pos": [22, 6, 2]}
+    verdict = served.gate(own, far, "bfloat16", 0.02, True, same, same)
+    assert not verdict["pass"] and verdict["line"].startswith("PARITY FAILED")
+    # equal counters but a served output that is not exact: fails too
+    assert not served.gate(own, dict(own), "float32", 0.02, False, same, same)["pass"]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory, target):
+    """A draft-vocabulary export of a tiny drafter and the drafter the own loop would run."""
+    torch.manual_seed(0)
+    m = target.model
+    drafter = DFlashDrafter(drafter_config(make_config(), target, TAPS), m.get_input_embeddings(),
+                            m.get_output_embeddings())
+    drafter.set_draft_vocab(torch.arange(0, drafter.config.vocab_size, 7))
+    folder = tmp_path_factory.mktemp("export")
+    drafter.save_pretrained(str(folder))
+    return folder, drafter.eval()
+
+
+def plant(src: Path, dst: Path, mismatch: str) -> Path:
+    """A copy of an export with one classic trainer/engine mismatch planted."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    if mismatch == "taps":
+        config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+    elif mismatch == "mask":
+        config["dflash_config"]["mask_token_id"] += 1
+    elif mismatch == "causal":
+        config["dflash_config"]["causal"] = True
+    elif mismatch == "rope":
+        config["rope_theta"] = config["rope_theta"] * 10
+    elif mismatch == "d2t":
+        tensors = load_file(str(dst / "model.safetensors"))
+        tensors["d2t"] = torch.roll(tensors["d2t"], 1)
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+PLANTED = {"taps": "dflash_config.target_layer_ids", "mask": "dflash_config.mask_token_id",
+           "causal": "dflash_config.causal", "rope": "rope_theta", "d2t": "d2t"}
+
+
+@pytest.mark.parametrize("mismatch", list(PLANTED))
+def test_gate_names_the_planted_contract_key(tmp_path, export, mismatch):
+    folder, drafter = export
+    own = served.drafter_contract(drafter)
+    assert served.likely_keys(served.export_contract(folder), own) == []  # the export as written: nothing to name
+    planted = served.export_contract(plant(folder, tmp_path / mismatch, mismatch))
+    assert served.likely_keys(planted, own) == [PLANTED[mismatch]]
+    counts = {"drafts": 10, "accepted": 4, "accepted_per_pos": [3, 1, 0]}
+    worse = {"drafts": 12, "accepted": 1, "accepted_per_pos": [1, 0, 0]}
+    line = served.gate(counts, worse, "float32", 0.02, True, planted, own)["line"]
+    assert line.startswith("PARITY FAILED") and PLANTED[mismatch] in line and "\n" not in line
+
+
+# -- missing vLLM: one line naming the install command -----------------------------------------------------------
+def test_vllm_options_without_vllm_fail_in_one_line(tmp_path):
+    env = dict(user_env(), DFLASH_VLLM_ENV=str(tmp_path / "no-venv"))
+    proc = subprocess.run(["dflash-teacher", "experiment=tiny", "teacher.engine=vllm", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "bash scripts/setup_vllm.sh" in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "teacher").exists()  # refused before any output
+    proc = subprocess.run(["dflash-teacher", "experiment=tiny", "teacher.engine=vllm", "teacher.temperature=0.7",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "teacher.temperature=0" in proc.stderr
+
+
+def test_venv_location_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_VLLM_ENV", str(tmp_path / "v"))
+    assert venv_dir("/anything") == tmp_path / "v"
+    monkeypatch.delenv("DFLASH_VLLM_ENV")
+    assert venv_dir(tmp_path) == tmp_path / "vllm" / "venv"
+
+
+# -- through vLLM --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory) -> Path:
+    """`dflash-pipeline experiment=tiny_vllm`: vLLM teacher, a drafter that is accepted, the served eval."""
+    run_dir = tmp_path_factory.mktemp("tiny_vllm")
+    proc = subprocess.run(["dflash-pipeline", "experiment=tiny_vllm", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          env=user_env(), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@needs_vllm
+def test_served_acceptance_equals_the_own_loop_in_float32(vllm_run):
+    results = json.loads((vllm_run / "eval" / "eval_results.json").read_text())
+    s = results["served"]
+    assert s["pass"] and s["dtype"] == "float32"
+    for label, r in s["sets"].items():
+        assert r["counters_served"] == r["counters_own"], label
+        assert r["counters_own"]["accepted"] > 0, label  # a drafter that is accepted: real acceptance compared
+        assert r["a_k_own"] == pytest.approx(results["methods"]["chain"][label]["a_k_online"])
+        assert r["spec_identical_to_plain"] == r["prompts"] and not r["wrong"] and not r["near_ties"]
+        assert r["gate"]["pass"] and r["tokens_per_s_spec"] > 0 and r["tokens_per_s_spec_batched"] > 0
+    md = (vllm_run / "eval" / "results.md").read_text()
+    assert "## Served (vllm" in md and "a_k served" in md and "Parity gate: passed" in md
+
+
+@needs_vllm
+def test_vllm_teacher_equals_the_hf_teacher(vllm_run, tmp_path):
+    """Replies token-identical in float32, features equal to bf16 storage rounding, the engine in the manifest,
+    and a folder made by one engine refused by the other in one line."""
+    from dflash_pipeline.data.shards import DatasetError, TeacherDataset
+    from dflash_pipeline.data.teacher import run_teacher
+
+    hf_dir = run_teacher(make_config("experiment=tiny_vllm", "teacher.engine=hf"), tmp_path / "teacher")
+    hf, vl = TeacherDataset(hf_dir), TeacherDataset(vllm_run / "teacher")
+    assert hf.ids == vl.ids and len(hf) == 64
+    assert (hf.manifest["engine"], vl.manifest["engine"]) == ("hf", "vllm")
+    for i in range(len(hf)):
+        a, b = hf[i], vl[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        fa, fb = a["features"].float(), b["features"].float()
+        assert torch.allclose(fa, fb, rtol=1 / 64, atol=1e-2 * float(fa.abs().max()))
+    with pytest.raises(DatasetError, match="teacher.engine: 'hf' -> 'vllm'"):
+        run_teacher(make_config("experiment=tiny_vllm"), hf_dir)
+
+
+@needs_vllm
+def test_vllm_teacher_killed_and_rerun_gives_the_same_dataset(vllm_run, tmp_path):
+    """SIGKILL once the first shard is committed (vLLM mid-way through the second), then the same command: the
+    dataset equals an uninterrupted run's."""
+    import signal
+    import time
+
+    from dflash_pipeline.data.shards import TeacherDataset
+
+    cmd = ["dflash-teacher", "experiment=tiny_vllm", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=user_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 900
+    while not list((tmp_path / "teacher").glob("shard-00000*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "teacher" / "manifest.json").exists()
+    subprocess.run(cmd, cwd=ROOT, env=user_env(), check=True, capture_output=True, timeout=900)
+    again, whole = TeacherDataset(tmp_path / "teacher"), TeacherDataset(vllm_run / "teacher")
+    assert again.ids == whole.ids
+    for i in range(len(whole)):
+        for key in ("input_ids", "loss_mask", "features"):
+            assert torch.equal(again[i][key], whole[i][key]), (i, key)
+
+
+@needs_vllm
+def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
+    """The run's export with each classic mismatch planted, served by vLLM on the prompts the own loop decodes with
+    the export as trained: the gate fails and names the planted key."""
+    from dflash_pipeline.eval.decode import speculative
+    from dflash_pipeline.models.target import load_target, target_folder
+    from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
+
+    from conftest import chat_prompt_ids
+
+    cfg = make_config("experiment=tiny_vllm")
+    target = load_target(cfg.target, cfg.cache_dir)
+    export = vllm_run / "train" / "export"
+    drafter = DFlashDrafter.from_pretrained(str(export), target.model.get_input_embeddings(),
+                                            target.model.get_output_embeddings()).eval()
+    prompts = chat_prompt_ids(target.tokenizer, ["Write a haiku about the sea.", "What is 12 times 7?",
+                                                 "Name three rivers in Europe.", "How do magnets work?"])
+    B, new = drafter.config.block_size, 32
+    own = served.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1)
+    assert own["accepted"] > 0
+    own_contract = served.drafter_contract(drafter)
+    folder = target_folder(cfg.target, cfg.cache_dir)
+    caught = {}
+    for mismatch, key in {"none": None, **PLANTED}.items():
+        served_dir = export if key is None else plant(export, tmp_path / mismatch, mismatch)
+        with VLLMEngine(cfg.cache_dir, folder, "float32", 512, speculative_config(served_dir, B),
+                        log_file=tmp_path / "vllm.log") as engine:
+            res = engine.generate(prompts, new, sorted(target.eos_ids))
+        counts = served.summed(res["spec"], B - 1)
+        verdict = served.gate(own, counts, "float32", 0.02, True, served.export_contract(served_dir), own_contract)
+        caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
+    assert caught.pop("none")[0], "the export as trained must serve at parity"
+    for mismatch, (passed, keys, per_pos) in caught.items():
+        assert not passed and keys == [PLANTED[mismatch]], (mismatch, per_pos, own)
