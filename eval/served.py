@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
 from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
 
@@ -175,7 +176,8 @@ class ServedEval:
         self.plain.close()
         self.spec.close()
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, repeats: int, batch: int) -> dict:
+    def run(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, repeats: int, batch: int,
+            label: str = "") -> dict:
         """Greedy decodes of `prompts`: per prompt A B B A (plain, spec, spec, plain) x repeats after a warm-up of
         each, at batch 1; then `batch` prompts at a time, the same order (0: no batched timing). Counters and
         outputs of the first speculative run of each prompt."""
@@ -183,17 +185,18 @@ class ServedEval:
         go = lambda engine, ps, batched=False: engine.generate(ps, max_new_tokens, stop, batch=batched)  # noqa: E731
         go(self.plain, prompts[:1]), go(self.spec, prompts[:1])
         plain_s, spec_s, plain_out, spec_out, counters = [], [], [], [], []
-        plain_tokens, spec_tokens = [], []
-        for i, p in enumerate(prompts):
+        bar = Progress(f"served {label}", len(prompts), "prompt")
+        for p in prompts:
             for r in range(repeats):
                 a1, s1, s2, a2 = go(self.plain, [p]), go(self.spec, [p]), go(self.spec, [p]), go(self.plain, [p])
                 if r == 0:
                     plain_out.append(a1["outputs"][0])
                     spec_out.append(s1["outputs"][0])
                     counters.append(s1["spec"][0])
-                for res, secs, toks in ((a1, plain_s, plain_tokens), (a2, plain_s, plain_tokens),
-                                        (s1, spec_s, spec_tokens), (s2, spec_s, spec_tokens)):
+                for res, secs in ((a1, plain_s), (a2, plain_s), (s1, spec_s), (s2, spec_s)):
                     secs.append(res["seconds"][0] / max(1, len(res["outputs"][0])))
+            bar.update(1)
+        bar.close()
         out = {"outputs_plain": plain_out, "outputs_spec": spec_out, "counters": counters,
                "tokens_per_s_plain": 1 / _median(plain_s) if plain_s else 0.0,
                "tokens_per_s_spec": 1 / _median(spec_s) if spec_s else 0.0}

