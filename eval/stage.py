@@ -253,6 +253,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
              res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
     res["ar_outputs"] = [r.ar[0][0] for r in runs if r.repeat == 0]
     res["spec_rounds"] = [r.spec[0].accepted for r in runs if r.repeat == 0]  # every round, near-ties or not
+    res["spec_outputs"] = [r.spec[0].tokens for r in runs if r.repeat == 0]
     return res
 
 
@@ -612,7 +613,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
                                 repeats=e.timing_repeats, strict=e.strict_exact, costs=here, judge=judge,
                                 baselines=baselines)
-            own_runs[m] = (online.pop("ar_outputs"), online.pop("spec_rounds"))
+            own_runs[m] = (online.pop("ar_outputs"), online.pop("spec_rounds"), online.pop("spec_outputs"))
             own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {
                 **online,
@@ -655,10 +656,11 @@ def serve(cfg: DictConfig, target: Target, drafter: DFlashDrafter, drafter_dir: 
     try:
         for label, prompts in prompt_sets.items():
             timed = prompts[: e.online_prompts]
-            ar, rounds = own_runs[label]["chain"]
+            ar, rounds, spec = own_runs[label]["chain"]
             out["sets"][label] = served_eval.compare(
                 engine.run([p["prompt_ids"] for p in timed], e.max_new_tokens, target.eos_ids, e.timing_repeats,
-                           e.served.batch, label), timed, rounds, ar, B - 1, target.dtype, judge, e.served.tolerance,
+                           e.served.batch, label), timed, rounds, spec, ar, B - 1, target.dtype, judge,
+                e.served.tolerance,
                 served_contract, own_contract, results["offline"][label]["methods"]["chain"]["a_k"],
                 results["methods"]["chain"][label]["a_k_online"])
             own = results["methods"]["chain"][label]

@@ -66,6 +66,32 @@ def test_gate_needs_equal_counters_in_float32_and_a_tolerance_in_bf16():
     assert not served.gate(own, dict(own), "float32", 0.02, False, same, same)["pass"]
 
 
+def test_reduced_precision_gate_compares_the_prompts_that_took_the_same_tokens():
+    """A bf16 decode that parted at a near-tie runs other tokens from there on: the gate compares the prompts whose
+    own and served speculative outputs both equal the reference, and reports the whole set beside."""
+    from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, Verdict, first_mismatch
+
+    class Judge:  # near-tie for every divergence (what a bf16 target's judge says of a tied pair)
+        def classify(self, prompt_ids, reference, other):
+            pos = first_mismatch(reference, other)
+            return Verdict(IDENTICAL) if pos is None else Verdict(NEAR_TIE, pos, {})
+
+    prompts = [{"id": "a", "prompt_ids": [1]}, {"id": "b", "prompt_ids": [2]}]
+    ar = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    own_spec = [list(ar[0]), [9, 10, 13, 14]]  # prompt b parted from the reference at a near-tie
+    vllm = {"outputs_plain": [list(ar[0]), list(ar[1])], "outputs_spec": [list(ar[0]), [9, 10, 15, 16]],
+            "counters": [{"drafts": 2, "accepted": 2, "accepted_per_pos": [1, 1, 0]},
+                         {"drafts": 4, "accepted": 0, "accepted_per_pos": [0, 0, 0]}]}
+    rounds = [[2, 0], [1, 1]]
+    args = (vllm, prompts, rounds, own_spec, ar, 3)
+    rest = (Judge(), 0.02, {}, {}, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+    bf16 = served.compare(*args, "bfloat16", *rest)
+    assert bf16["gate"]["pass"] and bf16["gate"]["prompts_compared"] == 1 and bf16["same_path_prompts"] == [0]
+    assert "1 of 2 prompts" in bf16["gate"]["line"] and len(bf16["near_ties"]) == 1
+    assert bf16["counters_served"]["drafts"] == 6 and bf16["counters_own"]["drafts"] == 4  # the whole set, reported
+    assert not served.compare(*args, "float32", *rest)["gate"]["pass"]  # float32: every prompt, and no near-ties
+
+
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, target):
     """A draft-vocabulary export of a tiny drafter and the drafter the own loop would run."""
