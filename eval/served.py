@@ -31,9 +31,8 @@ CONTRACT = ("dflash_config.target_layer_ids", "dflash_config.mask_token_id", "ro
             "num_hidden_layers", "hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads",
             "draft_vocab_size", "d2t", "max_position_embeddings")
 # Keys the engine honours and the own loop does not run (its drafter is non-causal full attention): any value that
-# makes the engine's drafter causal or windowed is a mismatch by itself.
-ENGINE_ONLY = ("is_causal", "dflash_config.causal", "layer_types", "use_swa", "dflash_config.use_swa",
-               "sliding_window", "dflash_config.swa_window_size")
+# makes the engine's drafter causal or windowed is a mismatch by itself (a window size alone windows nothing).
+ENGINE_ONLY = ("is_causal", "dflash_config.causal", "layer_types", "use_swa", "dflash_config.use_swa")
 WHAT = {
     "dflash_config.target_layer_ids": "the tapped target layers (layer i = hidden_states[i + 1])",
     "dflash_config.mask_token_id": "the MASK token of the drafted slots",
@@ -43,7 +42,7 @@ WHAT = {
     "is_causal": "the causal flag (DFlash drafts attend bidirectionally)",
     "dflash_config.causal": "the causal flag (DFlash drafts attend bidirectionally)",
     "layer_types": "sliding-window layers", "use_swa": "sliding-window attention",
-    "dflash_config.use_swa": "sliding-window attention", "sliding_window": "sliding-window attention",
+    "dflash_config.use_swa": "sliding-window attention",
 }
 
 
