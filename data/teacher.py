@@ -242,8 +242,8 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+        elif a != b:  # a config choice (an Enum of str) shown as its plain value, as the stored config has it
+            out.append(f"{prefix}{k}: {getattr(a, 'value', a)!r} -> {getattr(b, 'value', b)!r}")
     return out
 
 

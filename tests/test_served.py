@@ -157,6 +157,15 @@ def test_vllm_options_without_vllm_fail_in_one_line(tmp_path):
     assert proc.returncode == 2 and "teacher.temperature=0" in proc.stderr
 
 
+def test_a_folder_made_by_the_other_engine_is_refused_in_one_line(tiny_teacher):
+    """Refused before vLLM is needed: the folder's recorded config names the engine that made it."""
+    from dflash_pipeline.data.shards import DatasetError
+    from dflash_pipeline.data.teacher import run_teacher
+
+    with pytest.raises(DatasetError, match=r"\(teacher.engine: 'hf' -> 'vllm'\)"):
+        run_teacher(make_config("teacher.engine=vllm"), tiny_teacher)
+
+
 def test_venv_location_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_VLLM_ENV", str(tmp_path / "v"))
     assert venv_dir("/anything") == tmp_path / "v"
