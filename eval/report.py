@@ -109,6 +109,32 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(results: dict, out: Path | None = None) -> str:
+    """What the console shows when an evaluation ends (or is found complete): one line per method and set with the
+    headline figures, the served figures and gate when vLLM ran, and where the full tables and the plot are."""
+    lines = [f"{'method':<18} {'set':<14} {'tau offline':>11} {'tau online':>10} {'a_1 / a_2 / a_3 online':>22} "
+             f"{'AR tok/s':>8} {'spec tok/s':>10} {'speedup':>7}  exact"]
+    for m, per in results["methods"].items():
+        for ds, r in per.items():
+            a = " / ".join(_f(x, 2) for x in r["a_k_online"][:3])
+            lines.append(f"{m:<18} {ds:<14} {_f(r['tau_offline']):>11} {_f(r['tau_online']):>10} {a:>22} "
+                         f"{_f(r['tokens_per_s_ar'], 1):>8} {_f(r['tokens_per_s_spec'], 1):>10} "
+                         f"{_f(r['speedup'], 2) + 'x':>7}  {r['exact']}")
+    held = results["offline"].get("teacher_heldout")
+    if held:
+        lines.append(f"held-out teacher sequences: tau_offline {_f(held['tau_offline'])}"
+                     f"{_ci(held.get('tau_offline_ci95'))}")
+    served = results.get("served")
+    if served:
+        for ds, r in served["sets"].items():
+            lines.append(f"served ({served['engine']}, {served['dtype']}) {ds}: tau {_f(r['tau_served'])} "
+                         f"(own loop {_f(r['tau_own'])}), {_f(r['speedup'], 2)}x its plain decoding; "
+                         f"gate {'pass' if r['gate']['pass'] else 'FAIL'}")
+    if out is not None:
+        lines.append(f"tables: {out / 'results.md'}; plot: {out / 'acceptance.png'}")
+    return "\n".join(lines)
+
+
 def served_markdown(served: dict | None, row) -> list[str]:
     """The served section: per set the three acceptance figures per position (teacher-forced, own loop, served),
     the gate's verdict, exactness and speed of the engine's speculative against its plain decoding."""

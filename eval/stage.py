@@ -349,6 +349,7 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_
     old = recorded_hash("eval", out)
     if old == digest:
         log.info("evaluation already complete at %s (config %s): skipping", out, digest)
+        log.info("results:\n%s", report.summary(json.loads(results_file.read_text()), out))
         return out
     if old is not None:
         log.warning("%s holds results of config %s; replacing them with config %s", results_file, old, digest)
@@ -375,7 +376,7 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_
     write_text(out / "results.md", report.markdown(results))
     report.plot_acceptance(results, out / "acceptance.png")
     write_json(results_file, results, indent=2)  # last: its presence marks the stage complete
-    log.info("evaluation written to %s", out)
+    log.info("evaluation written to %s; results:\n%s", out, report.summary(results, out))
     return out
 
 

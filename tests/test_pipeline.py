@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
     assert (out["train"] / "export" / "model.safetensors").is_file()
 
 
-def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
+def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path, caplog):
     """teacher -> drafter -> every component of pipeline.components -> eval of every method, each exact; a rerun
     skips everything; a changed selector setting retrains the selector and reruns the eval, nothing else."""
     cfg = make_config()
@@ -73,8 +74,12 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path):
             assert set(r["ms_per_token_ar_by_dtype"]) == {"float32", "bfloat16"} and r["speedup_vs_fastest_ar"] > 0
             assert r["oracle_tau"] >= 1.0 and 0.0 <= r["select_fraction"] < 1.0
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    caplog.set_level(logging.INFO, logger="dflash_pipeline")
     run_stages(cfg, tmp_path, ["teacher", "components", "eval"])
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == stamps
+    # a finished run still ends with its headline figures and where the tables are
+    chain = results["methods"]["chain"]["mtbench"]
+    assert f"{chain['tau_online']:.3f}" in caplog.text and "results.md" in caplog.text
 
     run_stages(make_config("selector.rank=8"), tmp_path, ["teacher", "components", "eval"])
     changed = {p for p in tmp_path.rglob("*") if p.is_file() and stamps.get(p) != p.stat().st_mtime_ns}

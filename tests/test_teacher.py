@@ -452,3 +452,30 @@ def test_merged_datasets_read_as_their_sources_and_hold_out_regenerated_samples(
         merge_datasets([tiny_teacher, other], tmp_path / "taps")
     with pytest.raises(DatasetError, match="already holds a teacher dataset"):
         merge_datasets([tiny_teacher, prefilled.folder], tmp_path / "merged")
+
+
+def test_show_sample_renders_the_stored_turns_with_the_trained_tokens_marked(tiny_teacher):
+    """scripts/show_sample.py, the README's template check: the sample as the tokenizer renders it, each span of
+    the target's own reply tokens (the loss mask) between [[ and ]], nothing else marked."""
+    from dflash_pipeline.data.shards import TeacherDataset
+    from dflash_pipeline.models.target import load_tokenizer
+
+    from conftest import run_command
+
+    cfg = make_config()
+    item = TeacherDataset(tiny_teacher)[1]
+    out = run_command(["python", "scripts/show_sample.py", "experiment=tiny", f"trainer.data_dir={tiny_teacher}",
+                       "--index", "1"]).stdout
+    ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+    assert f"{len(ids)} tokens, {sum(mask)} trained on" in out
+    tokenizer = load_tokenizer(cfg.target, cfg.cache_dir)
+    marked = [span.split("]]")[0] for span in out.split("[[")[1:]]
+    replies, run = [], []
+    for tok, m in zip(ids + [None], mask + [False]):
+        if m:
+            run.append(tok)
+        elif run:
+            replies.append(tokenizer.decode(run))
+            run = []
+    assert marked == replies and len(replies) == 2  # two regenerated turns
+    assert "<|im_start|>user" in out.split("[[")[0]  # the template, unmarked
