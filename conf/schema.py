@@ -225,7 +225,7 @@ class DrafterConfig:
     num_key_value_heads: Optional[int] = ranged(None, ge=1)
     head_dim: Optional[int] = ranged(None, ge=1)
     block_size: int = ranged(16, ge=2)  # the anchor plus at least one drafted position
-    mask_token_id: Optional[int] = ranged(None, ge=0)  # None: chosen from the tokenizer (see README)
+    mask_token_id: Optional[int] = ranged(None, ge=0)  # None: chosen from the tokenizer (docs/methods.md, 'The MASK token')
     init: DrafterInit = DrafterInit.random  # target: layers and final norm copied from the target's last layers
     # The attention kernel (models/drafter.py ATTENTION_FUNCTIONS): eager = plain matmul + softmax, the reference;
     # sdpa = torch's scaled_dot_product_attention (fused kernels on GPU). Not part of the export.

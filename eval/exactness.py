@@ -22,7 +22,7 @@ import torch
 
 IDENTICAL, NEAR_TIE, WRONG = "identical", "near_tie", "wrong"
 # nats; eval.near_tie_tolerance. bf16 SmolLM2 moves the float32 top-2 gap by up to 0.33 (a verify block) and 0.37
-# (1-token steps), 0.48 both together, over 576 positions (scripts/bench_precision.py; README, 'Precision')
+# (1-token steps), 0.48 both together, over 576 positions (scripts/bench_precision.py; docs/results/precision.md)
 DEFAULT_TOLERANCE = 0.5
 
 

@@ -459,7 +459,7 @@ def decode_context(prompts: list[dict], max_new_tokens: int, room: int) -> list[
 def baseline_models(target: Target, dtypes: list[str], judge: ExactnessJudge) -> dict:
     """The target in each of `dtypes` other than its own (the float32 one shared with the exactness judge): plain
     decoding in the dtype that is fastest on this machine is the baseline a user compares with (on a CPU without
-    native bf16, bf16 decodes faster one token at a time but verifies blocks slower; README, 'Precision')."""
+    native bf16, bf16 decodes faster one token at a time but verifies blocks slower; docs/results/precision.md)."""
     import copy
 
     out = {}

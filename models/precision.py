@@ -3,7 +3,7 @@
 `target.dtype=auto` picks bfloat16 only where the machine multiplies bf16 natively, and that is measured, not
 assumed: on a GPU, torch's own capability check (bf16 tensor cores); on a CPU, a bf16 matmul of a verify block's
 shape must take at most BF16_WIN of the float32 time (CPUs with AMX or avx512_bf16 run it several times faster;
-without them torch emulates bf16 and it is slower than float32: measured ratios in README, 'Precision'). Everything
+without them torch emulates bf16 and it is slower than float32: measured ratios in docs/results/precision.md). Everything
 else runs float32. The decision, the measured ratio and the CPU/GPU model and flags are recorded in the teacher
 manifest and the eval results beside every figure.
 """
