@@ -11,7 +11,8 @@ every output is classified against the autoregressive reference (docs/metrics.md
   near_tie   at the first divergence the two tokens' log-probabilities, recomputed once in float32 on the shared
              prefix, differ by less than `tolerance` (eval.near_tie_tolerance); the gap is recorded;
   wrong      anything else (a length difference, a clear winner replaced): raised, as in float32.
-Acceptance is then counted only over the rounds before the divergence (`rounds_before`): what was verified.
+Acceptance counts every round the speculative run made (each exact against its own verification), and beside it
+the rounds before the divergence (`rounds_before`): the tokens verified against the reference.
 """
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {m} | {ds} | {r.get('offline_prompts', r['prompts'])} / {r['prompts']} | {r['output_tokens']} | "
                 f"{_f(r['tau_offline'])}{_ci(r.get('tau_offline_ci95'))} | "
-                f"{_f(r['tau_online'])}{_ci(r.get('tau_online_ci95'))} | {_f(r.get('oracle_tau'))} | {_f(r['a_k_offline'][0])} / "
+                f"{_f(r['tau_online'])}{_ci(r.get('tau_online_ci95'))}{_prefix(r)} | {_f(r.get('oracle_tau'))} | "
+                f"{_f(r['a_k_offline'][0])} / "
                 f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | "
                 f"{_f(r.get('verified_per_round'), 2)} | {_f(r['draft_ms_per_round'], 2)} | "
                 f"{_f(r['select_ms_per_round'], 2)} ({100 * r['select_fraction']:.1f}%) | "
@@ -56,7 +57,8 @@ def markdown(results: dict) -> str:
                   f"flags {', '.join(machine.get('cpu_flags', [])) or 'none listed'}"
                   + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
                   + (f"; near-tie tolerance {num['near_tie_tolerance']} nats (float32 log-prob gap at the first "
-                     "divergence): a near-tie output counts its rounds before the divergence only"
+                     "divergence): tau online counts every round; a near-tie output's rounds before the divergence alone "
+                     "give the figure after 'before near-ties'"
                      if num.get("near_tie_tolerance") is not None else "; every output must be identical")
                   + (f". Teacher data made with a {num['teacher_dtype']} target: "
                      + ("the same numerics." if num["same_as_teacher"] else "OTHER numerics than this evaluation.")
@@ -107,6 +109,13 @@ def markdown(results: dict) -> str:
             row(f"{m} {ds} a_k online", r["a_k_online"])
     lines += served_markdown(results.get("served"), row)
     return "\n".join(lines) + "\n"
+
+
+def _prefix(r: dict) -> str:
+    """The online tau over the rounds before near-tie divergences, where some output diverged."""
+    if not r.get("near_tie_outputs") or r.get("tau_online_verified_prefix") is None:
+        return ""
+    return f"; before near-ties {_f(r['tau_online_verified_prefix'])} ({r['rounds_verified_prefix']} of {r['rounds']} rounds)"
 
 
 def summary(results: dict, out: Path | None = None) -> str:

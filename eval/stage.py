@@ -228,7 +228,8 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
     With `costs` (the measured verify-cost curve), also the speedup that curve predicts for the rounds run.
     Greedy outputs are classified by `judge` (eval/exactness.py; default: one for the target's dtype with the
-    default tolerance); acceptance counts the rounds before a near-tie divergence only. baselines: the target in
+    default tolerance); acceptance counts every round, and beside it (`*_verified_prefix`) the rounds before a
+    near-tie divergence. baselines: the target in
     other dtypes ({dtype: model}, eval.baseline_dtypes), whose plain decoding is timed in the same passes
     (A F B B F A); speedups against the fastest autoregressive decoding of any dtype are reported beside.
     """
@@ -259,7 +260,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
 
 def online_metrics(runs: list[Passes], block_size: int, target_dtype: str, costs: EvalContext | None) -> dict:
     """The online metrics of an eval set from its passes: acceptance over the first speculative run of the first
-    repeat of each prompt (up to a near-tie divergence), times as medians over every timed run."""
+    repeat of each prompt (every round; and up to a near-tie divergence), times as medians over every timed run."""
     first = [r for r in runs if r.repeat == 0]
     ars = [t for r in runs for _, t in r.ar]
     ar_tokens = [tokens for r in runs for tokens, _ in r.ar]
@@ -272,15 +273,20 @@ def online_metrics(runs: list[Passes], block_size: int, target_dtype: str, costs
     verify_s = [x for s in specs for x in s.verify_s]
     select_s = [x for s in specs for x in s.select_s]
     scorings = [x for s in specs for x in s.scorings]
+    # Every round a speculative run made is exact against its own verification, also after a near-tie divergence
+    # from the autoregressive reference (reduced precision): the headline counts them all. Beside it, the rounds
+    # before that divergence, whose tokens are the reference's (`*_verified_prefix`; equal when nothing diverged).
+    every_round = [r.spec[0].accepted for r in first]
     per_prompt = [rounds_before(r.spec[0].accepted, r.verified_upto) for r in first]
     accepted = [n for kept in per_prompt for n in kept]
-    timed_accepted = [n for r in first for n in r.spec[0].accepted]  # every round of the first runs (timed)
+    timed_accepted = [n for kept in every_round for n in kept]  # every round of the first runs (timed)
     verified = [n for r in first for n in r.spec[0].verified]
     drafted = [d for r in first for d in r.spec[0].drafted]
     out_tokens = sum(len(r.spec[0].tokens) for r in first)
     forwards = sum(r.spec[0].target_forwards for r in first)
 
-    stats = accepted_length_stats(accepted, block_size)
+    stats = accepted_length_stats(timed_accepted, block_size)
+    prefix = accepted_length_stats(accepted, block_size)
     ms_ar, ms_spec = 1e3 * _median(ar_s_per_tok), 1e3 * _median(spec_s_per_tok)
     total_draft, total_verify = sum(draft_s), sum(verify_s)
     res = {
@@ -290,7 +296,11 @@ def online_metrics(runs: list[Passes], block_size: int, target_dtype: str, costs
         "a_k_online": stats["a_k"],
         "accepted_hist": stats["accepted_hist"],  # rounds that accepted 0 .. B-1 drafts
         "tau_online": stats["tau"],
-        "tau_online_ci95": bootstrap_tau(per_prompt),  # bootstrap over prompts
+        "tau_online_ci95": bootstrap_tau(every_round),  # bootstrap over prompts
+        "rounds_verified_prefix": prefix["rounds"],
+        "a_k_online_verified_prefix": prefix["a_k"],
+        "tau_online_verified_prefix": prefix["tau"],
+        "tau_online_verified_prefix_ci95": bootstrap_tau(per_prompt),
         "target_forwards_per_token": forwards / out_tokens if out_tokens else 0.0,
         "draft_ms_per_round": 1e3 * _median(draft_s),
         "verify_ms_per_round": 1e3 * _median(verify_s),
@@ -623,8 +633,9 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                 "tau_offline": own["tau_offline"],
                 "tau_offline_ci95": own.get("tau_offline_ci95"),
                 "offline_prompts": len(prompts),
-                # offline minus online on the same (online) prompts; trees: over all prompts
-                "tau_gap": own.get("tau_offline_subset", own["tau_offline"]) - online["tau_online"],
+                # offline minus online on the same (online) prompts and, past a near-tie, the same tokens; trees:
+                # over all prompts
+                "tau_gap": own.get("tau_offline_subset", own["tau_offline"]) - online["tau_online_verified_prefix"],
                 "oracle_tau": on_replies["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
                 "prompt_ids": [p["id"] for p in prompts[: e.online_prompts]],
             }

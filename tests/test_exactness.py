@@ -2,13 +2,15 @@
 (eval/exactness.py), and the target's dtype as a per-machine choice (models/precision.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import autoregressive
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, WRONG, ExactnessError, ExactnessJudge, \
-    first_mismatch, rounds_before
+    Verdict, first_mismatch, rounds_before
 from dflash_pipeline.eval.stage import baseline_models, run_online
 from dflash_pipeline.models.precision import machine, resolve_dtype
 from dflash_pipeline.models.target import load_target
@@ -115,6 +117,36 @@ def test_a_planted_wrong_acceptance_fails_in_bf16(bf16_target, prompt, monkeypat
     monkeypatch.setattr(decode, "target_forward", corrupt)
     with pytest.raises(ExactnessError, match=r"prompt p0: speculative decoding differs .* log-prob gap"):
         run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12)
+
+
+def test_acceptance_counts_every_round_and_the_rounds_before_a_near_tie_beside(target, prompt):
+    """After a near-tie divergence the speculative run stays exact against its own verification: the headline
+    acceptance counts every round it made, and the rounds before the divergence are reported beside it."""
+    from dflash_pipeline.models.drafter import DFlashDrafter
+
+    drafter = DFlashDrafter.from_pretrained(str(Path(__file__).parent / "fixtures" / "tiny_drafter"),
+                                            target.model.get_input_embeddings(), target.model.get_output_embeddings())
+    method = decode.ChainMethod(drafter.eval())
+    batch = [{"id": "p0", "prompt_ids": prompt}]
+    exact = run_online(target, method, batch, label="t", block_size=drafter.config.block_size, max_new_tokens=24)
+    every = exact["spec_rounds"][0]
+    assert exact["identical"] and len(every) > 4
+    assert exact["rounds"] == exact["rounds_verified_prefix"] == len(every)
+    assert exact["tau_online"] == exact["tau_online_verified_prefix"] == pytest.approx((sum(every) + len(every)) / len(every))
+
+    class ForcedNearTie:  # the first speculative run parts from the reference at output position 7
+        def check(self, prompt_id, prompt_ids, reference, other, what, strict=True):
+            if what == "speculative decoding":
+                return Verdict(NEAR_TIE, 7, {"logprob_gap": 0.01})
+            return Verdict(IDENTICAL)
+
+    tied = run_online(target, method, batch, label="t", block_size=drafter.config.block_size, max_new_tokens=24,
+                      judge=ForcedNearTie())
+    every, before = tied["spec_rounds"][0], rounds_before(tied["spec_rounds"][0], 7)
+    assert tied["near_tie_outputs"] == 1 and tied["exact"] and not tied["identical"]
+    assert tied["rounds"] == len(every) > tied["rounds_verified_prefix"] == len(before) > 0
+    assert tied["tau_online"] == pytest.approx((sum(every) + len(every)) / len(every))
+    assert tied["tau_online_verified_prefix"] == pytest.approx((sum(before) + len(before)) / len(before))
 
 
 def test_dtype_choice_is_recorded_and_auto_is_measured():
