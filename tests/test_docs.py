@@ -16,6 +16,7 @@ import re
 import runpy
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -187,7 +188,7 @@ def check_command(command: str) -> None:
 _SLUG_DROP = re.compile(r"[^\w\- ]")
 
 
-def anchors(md: Path) -> set[str]:
+def anchors(md: Path) -> Iterator[str]:
     """GitHub's heading anchors of a Markdown file (lowercase, punctuation dropped, spaces to hyphens, -1 on repeats)."""
     seen: dict[str, int] = {}
     text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
