@@ -57,8 +57,8 @@ def markdown(results: dict) -> str:
                   f"flags {', '.join(machine.get('cpu_flags', [])) or 'none listed'}"
                   + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
                   + (f"; near-tie tolerance {num['near_tie_tolerance']} nats (float32 log-prob gap at the first "
-                     "divergence): tau online counts every round; a near-tie output's rounds before the divergence alone "
-                     "give the figure after 'before near-ties'"
+                     "divergence): tau online counts every round; a near-tie output's rounds before the "
+                     "divergence alone give the figure after 'before near-ties'"
                      if num.get("near_tie_tolerance") is not None else "; every output must be identical")
                   + (f". Teacher data made with a {num['teacher_dtype']} target: "
                      + ("the same numerics." if num["same_as_teacher"] else "OTHER numerics than this evaluation.")
@@ -115,7 +115,8 @@ def _prefix(r: dict) -> str:
     """The online tau over the rounds before near-tie divergences, where some output diverged."""
     if not r.get("near_tie_outputs") or r.get("tau_online_verified_prefix") is None:
         return ""
-    return f"; before near-ties {_f(r['tau_online_verified_prefix'])} ({r['rounds_verified_prefix']} of {r['rounds']} rounds)"
+    return (f"; before near-ties {_f(r['tau_online_verified_prefix'])} "
+            f"({r['rounds_verified_prefix']} of {r['rounds']} rounds)")
 
 
 def summary(results: dict, out: Path | None = None) -> str:

@@ -189,7 +189,8 @@ _SLUG_DROP = re.compile(r"[^\w\- ]")
 
 
 def anchors(md: Path) -> Iterator[str]:
-    """GitHub's heading anchors of a Markdown file (lowercase, punctuation dropped, spaces to hyphens, -1 on repeats)."""
+    """GitHub's heading anchors of a Markdown file (lowercase, punctuation dropped, spaces to hyphens, -N on
+    repeats)."""
     seen: dict[str, int] = {}
     text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
     for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):

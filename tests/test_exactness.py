@@ -132,7 +132,8 @@ def test_acceptance_counts_every_round_and_the_rounds_before_a_near_tie_beside(t
     every = exact["spec_rounds"][0]
     assert exact["identical"] and len(every) > 4
     assert exact["rounds"] == exact["rounds_verified_prefix"] == len(every)
-    assert exact["tau_online"] == exact["tau_online_verified_prefix"] == pytest.approx((sum(every) + len(every)) / len(every))
+    tau = (sum(every) + len(every)) / len(every)
+    assert exact["tau_online"] == exact["tau_online_verified_prefix"] == pytest.approx(tau)
 
     class ForcedNearTie:  # the first speculative run parts from the reference at output position 7
         def check(self, prompt_id, prompt_ids, reference, other, what, strict=True):
