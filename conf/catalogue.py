@@ -8,6 +8,8 @@ A component is one module (train/<name>.py) that declares, at module level:
   COMPONENT  its training component, a class following `train.component.TrainingComponent`
   METHODS    the eval methods it brings: {name: EvalMethod}, each made from MethodInputs (its component's config
              included; eval/protocol.py says what a method does)
+  DECODE_ONLY  (optional) keys of its SECTIONS that only shape decoding (a tree's shape): left out of the training
+             stages' hash, so changing one re-runs the eval and not the training; the eval's hash keeps them
   INPUTS     the stages it trains on: ("teacher",) for the drafter; ("teacher", "drafter") for a component trained on
              a frozen drafter, which gets a stage of its own, train/<name>/ in the run folder
 Adding a component touches its module, its config group (conf/<name>/default.yaml and its line in conf/config.yaml's
@@ -68,6 +70,18 @@ def sections(name: str, cfg) -> tuple[str, ...]:
     """The config sections of a component's own that its stage depends on, for this config."""
     own = module(name).SECTIONS
     return tuple(own(cfg) if callable(own) else own)
+
+
+def decode_only() -> dict[str, tuple[str, ...]]:
+    """{config section: its keys that only shape decoding}, over every component (DECODE_ONLY)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name in COMPONENTS:
+        m = module(name)
+        keys = tuple(getattr(m, "DECODE_ONLY", ()))
+        if keys and not callable(m.SECTIONS):
+            for section in m.SECTIONS:
+                out[section] = out.get(section, ()) + keys
+    return out
 
 
 def on_frozen_drafter(name: str) -> bool:

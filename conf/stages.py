@@ -44,15 +44,19 @@ def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
 
 
 def stage_config(cfg: DictConfig, stage: str) -> dict:
-    """The resolved part of the config that determines the stage's output."""
-    full = OmegaConf.to_container(cfg, resolve=True)
+    """The resolved part of the config that determines the stage's output. A training stage leaves out its sections'
+    decode-only keys (conf/catalogue.py: DECODE_ONLY): they shape the eval's trees, not the weights."""
+    from dflash_pipeline.conf import catalogue
 
-    def strip(node):
+    full = OmegaConf.to_container(cfg, resolve=True)
+    decode = catalogue.decode_only() if stage.startswith("train") else {}
+
+    def strip(node, drop=()):
         if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k not in IGNORED}
+            return {k: strip(v) for k, v in node.items() if k not in IGNORED and k not in drop}
         return node
 
-    return {k: strip(full[k]) for k in stage_sections(cfg, stage)}
+    return {k: strip(full[k], decode.get(k, ())) for k in stage_sections(cfg, stage)}
 
 
 def config_hash(cfg: DictConfig, stage: str) -> str:

@@ -158,6 +158,25 @@ def _tree(tokens: list[int], parents: list[int], depths: list[int], scores: list
                      torch.tensor(scores, dtype=torch.float32, device=device))
 
 
+@dataclass
+class GrowingTree:
+    """The tree build_tree has grown so far, as Python lists: an expand call reads a few nodes of it, which costs
+    nothing here and a tensor element read each on a DraftTree."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def fields(self, nodes: list[int], anchor: int) -> tuple[list[int], list[int], list[int]]:
+        """Tokens, parents and depths of `nodes` (-1: the root, the anchor at depth 0)."""
+        return ([anchor if n < 0 else self.tokens[n] for n in nodes], [-1 if n < 0 else self.parents[n] for n in nodes],
+                [0 if n < 0 else self.depths[n] for n in nodes])
+
+
 def ddtree(logprobs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
     """The training-free DDTree baseline: the `budget` most probable path prefixes when depth d's token is drawn
     independently from the drafter's marginal at d. logprobs / ids (P, K): per depth, sorted best first.
@@ -193,15 +212,15 @@ def ddtree(logprobs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
     return _tree(tokens, parents, depths, scores, ids.device)
 
 
-Expand = Callable[[list[int], DraftTree], tuple[torch.Tensor, torch.Tensor]]
+Expand = Callable[[list[int], GrowingTree], tuple[torch.Tensor, torch.Tensor]]
 
 
 def build_tree(expand: Expand, budget: int, max_depth: int, children: int = 8,
                width: int | None = None, root_children: int | None = None) -> tuple[DraftTree, list[int]]:
     """The modified DySpec builder: grow the tree by path log-prob, expanding `width` nodes per scoring call.
 
-    expand(nodes, tree) -> (child_ids (w, c), child_logprobs (w, c)): `nodes` are indices into `tree` (the tree built
-    so far; -1 = the root, the anchor), and row j holds node j's candidate children, best first, with their
+    expand(nodes, grown) -> (child_ids (w, c), child_logprobs (w, c)): `nodes` are indices into `grown` (the
+    GrowingTree built so far; -1 = the root, the anchor), and row j holds node j's candidate children, best first, with their
     conditional log-probs log p(child | path). Each expanded node pushes its first `children` candidates (those with
     log-prob -inf are skipped) onto a frontier keyed by path log-prob; the root pushes `root_children` (default
     `children`: a wider root spends budget on depth-1 siblings, where a weak drafter's acceptance is decided, and
@@ -212,17 +231,15 @@ def build_tree(expand: Expand, budget: int, max_depth: int, children: int = 8,
     1 first). Ties on the frontier: push order.
     """
     w = width or math.ceil(budget / 16)
-    tokens: list[int] = []
-    parents: list[int] = []
-    depths: list[int] = []
-    scores: list[float] = []
+    grown = GrowingTree([], [], [], [])
+    tokens, parents, depths, scores = grown.tokens, grown.parents, grown.depths, grown.scores
     calls: list[int] = []
     frontier: list[tuple[float, int, int, int, int]] = []  # (-score, counter, parent, depth, token)
     counter = 0
     pending = [-1] if max_depth > 0 else []  # nodes to expand next
     while len(tokens) < budget:
         if pending:
-            child_ids, child_lp = expand(pending, _tree(tokens, parents, depths, scores))
+            child_ids, child_lp = expand(pending, grown)
             calls.append(len(pending))
             child_ids, child_lp = child_ids.tolist(), child_lp.float().tolist()
             for node, row_ids, row_lp in zip(pending, child_ids, child_lp):

@@ -129,10 +129,15 @@ class Weaver(nn.Module):
 
     def log_probs(self, out: torch.Tensor, pool_logits: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
         """Log-probabilities over each node's pool: out (..., d) = out_norm(x), pool_logits (..., K) the drafter's
-        logits of the pool, lm_rows (..., K, H) the target's LM-head rows of the pool. The residual is
+        logits of the pool, lm_rows (..., K, H) the target's LM-head rows of the pool, or (K, H) when every node
+        shares one pool. The residual is
         W_lm[c] . (Q out): K x H + H x d per node, which on a CPU beats projecting the pool through Q once per round
         (K x H x d per depth) at the node counts of a tree."""
-        residual = (lm_rows.to(out.dtype) @ self.query(out).unsqueeze(-1)).squeeze(-1)
+        q = self.query(out)
+        if lm_rows.dim() == 2:  # one pool for every node (a tree depth): one matmul, not a batched broadcast
+            residual = q @ lm_rows.to(q.dtype).T
+        else:
+            residual = (lm_rows.to(q.dtype) @ q.unsqueeze(-1)).squeeze(-1)
         return torch.log_softmax(pool_logits.float() + residual.float(), -1)
 
     def chain_log_probs(self, verifier_hidden: torch.Tensor, drafter_hidden: torch.Tensor, embeddings: torch.Tensor,
@@ -205,12 +210,14 @@ class WeaverRound:
         device = self.pool_ids.device
         w = len(nodes)
         M = 0 if self.memory is None else self.memory[0][0].shape[2]
-        mask = torch.zeros(1, w, M + w, dtype=torch.bool, device=device)
+        rows, cols = [], []  # the (node, memory row) pairs it sees: its ancestors' and its own
         for i, (node, parent) in enumerate(zip(nodes, parents)):
-            seen = [] if node == -1 else self.ancestors[parent]
-            mask[0, i, seen] = True
-            mask[0, i, M + i] = True
-            self.ancestors[node] = seen + [M + i]
+            seen = ([] if node == -1 else self.ancestors[parent]) + [M + i]
+            self.ancestors[node] = seen
+            rows += [i] * len(seen)
+            cols += seen
+        mask = torch.zeros(1, w, M + w, dtype=torch.bool, device=device)
+        mask[0, rows, cols] = True
         ids = torch.tensor([tokens], device=device)
         depth = torch.tensor([depths], device=device)
         out, own = self.weaver.nodes(self.embed(ids), depth, self.prefix_kv, self.memory, mask)
@@ -223,6 +230,6 @@ class WeaverRound:
             if t not in self.lm_rows:
                 self.lm_rows[t] = self.lm_weight.index_select(0, self.pool_ids[t])
             at = rows == t
-            logp[at] = self.weaver.log_probs(out[0, at], self.pool_logits[t], self.lm_rows[t][None]).float()
+            logp[at] = self.weaver.log_probs(out[0, at], self.pool_logits[t], self.lm_rows[t]).float()
         best = logp.topk(min(children, logp.shape[-1]), -1)
         return self.pool_ids[rows].gather(-1, best.indices), best.values

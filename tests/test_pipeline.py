@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dflash_pipeline.conf.entrypoints import run_stages
+from dflash_pipeline.conf.stages import config_hash
 from dflash_pipeline.eval.stage import EvalError, run_eval
 from dflash_pipeline.conf import catalogue
 
@@ -31,7 +32,7 @@ def test_qwen3_8b_is_the_paper_scale_recipe():
     assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.teacher.num_taps) == (5, 16, 5)
 
 
-@pytest.mark.parametrize("name", ["smollm2_quick", "smollm2_ref"])
+@pytest.mark.parametrize("name", ["smollm2_quick", "smollm2_ref", "smollm2_best"])
 def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
     cfg = make_config(f"experiment={name}", "data.num_samples=3", "teacher.prefill_samples=2",
                       "teacher.max_new_tokens=6", "trainer.steps=1", "trainer.heldout_samples=1",
@@ -41,6 +42,27 @@ def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
     assert manifest["layer_ids"] == [1, 8, 14, 20, 27]
     assert manifest["num_samples"] == 3 + manifest.get("num_prefilled", 0)  # smollm2_quick: mixed
     assert (out["train"] / "export" / "model.safetensors").is_file()
+
+
+def test_smollm2_best_is_the_measured_recipe_as_one_command():
+    """docs/results/best-cpu-recipe.md reproduces the teacher-recipe grid's 1.6 CPU-hour row with this config."""
+    cfg = make_config("experiment=smollm2_best")
+    assert (cfg.teacher.mode, cfg.data.num_samples, cfg.teacher.prefill_samples) == ("mixed", 272, 3360)
+    assert (cfg.trainer.steps, cfg.drafter.num_layers, cfg.drafter.intermediate_size) == (3200, 1, 768)
+    assert list(cfg.pipeline.components) == ["selector", "weaver"] and cfg.weaver.root_children is None
+    assert {"selector_greedy", "weaver_tree"} <= set(cfg.eval.methods)
+
+
+def test_decode_settings_rerun_the_eval_and_not_the_training():
+    """A tree's shape (weaver.children, weaver.root_children) is an eval setting: the Weaver's training stage keeps
+    its hash (no retraining), the eval's changes (it re-runs); a training setting changes both."""
+    base = make_config("experiment=tiny")
+    wider = make_config("experiment=tiny", "weaver.root_children=8", "weaver.children=3")
+    retrained = make_config("experiment=tiny", "weaver.rank=8")
+    assert config_hash(wider, "train/weaver") == config_hash(base, "train/weaver")
+    assert config_hash(wider, "eval") != config_hash(base, "eval")
+    assert config_hash(retrained, "train/weaver") != config_hash(base, "train/weaver")
+    assert config_hash(retrained, "eval") != config_hash(base, "eval")
 
 
 def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path, caplog):

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from dflash_pipeline.eval.tree import build_tree, ddtree, walk
 from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
-from dflash_pipeline.train.weaver import node_fields
+from dflash_pipeline.train.weaver import root_breadth
 
 V, H, K, B = 997, 24, 16, 5  # a vocabulary size no other dimension shares
 
@@ -46,7 +46,7 @@ def test_the_weaver_never_makes_a_full_vocabulary_tensor():
     nn.init.normal_(weaver.query.weight)
     with Shapes() as seen, torch.no_grad():
         rnd = WeaverRound(weaver, verifier, drafter_hidden, pool_ids, pool_logits, lm, embed, anchor=5)
-        tree, _ = build_tree(lambda nodes, t: rnd.expand(nodes, *node_fields(nodes, t, 5), 4), 12, B - 1, 4, 3)
+        tree, _ = build_tree(lambda nodes, t: rnd.expand(nodes, *t.fields(nodes, 5), 4), 12, B - 1, 4, 3)
         path = torch.cat([torch.tensor([[5]]), pool_ids[None, :-1, 0]], 1)
         weaver.chain_log_probs(verifier[None], drafter_hidden[None], embed(path), pool_logits[None], lm[pool_ids][None])
     assert len(tree) == 12 and seen.shapes
@@ -61,7 +61,7 @@ def test_tree_expansion_scores_a_path_as_teacher_forcing_does():
     nn.init.normal_(weaver.query.weight, std=0.3)
     with torch.no_grad():
         rnd = WeaverRound(weaver, verifier, drafter_hidden, pool_ids, pool_logits, lm, embed, anchor=5)
-        tree, _ = build_tree(lambda nodes, t: rnd.expand(nodes, *node_fields(nodes, t, 5), K), 20, B - 1, K, 2)
+        tree, _ = build_tree(lambda nodes, t: rnd.expand(nodes, *t.fields(nodes, 5), K), 20, B - 1, K, 2)
         deep = int(tree.depths.argmax())
         path = [deep]
         while int(tree.parents[path[0]]) != -1:
@@ -129,10 +129,29 @@ def test_a_trained_weaver_tree_beats_the_marginal_tree_on_dependent_tokens():
     budget, depth = 6, 3
     with torch.no_grad():
         rnd = WeaverRound(weaver, verifier, drafter_hidden, pool_ids, pool_logits, lm, embed, anchor=5)
-        grown, _ = build_tree(lambda nodes, t: rnd.expand(nodes, *node_fields(nodes, t, 5), 2), budget, depth, 2,
+        grown, _ = build_tree(lambda nodes, t: rnd.expand(nodes, *t.fields(nodes, 5), 2), budget, depth, 2,
                               math.ceil(budget / 16))
     marginal = ddtree(torch.log_softmax(pool_logits[:depth], -1), pool_ids[:depth], budget)
     for first in (10, 20):
         truth = [first, succ[first], succ[succ[first]]]
         assert len(walk(grown, truth)) == 3
         assert len(walk(marginal, truth)) == 2
+
+
+def test_the_root_widens_with_the_node_budget_unless_set():
+    """The measured default (docs/results/trees.md): 8 depth-1 candidates at 16 nodes, 16 at 32, 32 at 64 and 128;
+    never fewer than `children`; an explicit weaver.root_children wins."""
+    assert [root_breadth(b, 8) for b in (16, 32, 64, 128, 512)] == [8, 16, 32, 32, 32]
+    assert root_breadth(8, 8) == 8 and root_breadth(4, 4) == 4
+    assert root_breadth(128, 8, root_children=12) == 12
+    lm, embed, pool_ids, pool_logits, verifier, drafter_hidden = _round_inputs(2)
+    weaver = Weaver(H, rank=16, num_layers=2, num_heads=2, mlp_dim=32, top_k=K)
+    with torch.no_grad():
+        for budget, want, depth1 in ((8, 4, 4), (16, 8, 8), (32, 16, 15)):  # children 4, pools of 16
+            rnd = WeaverRound(weaver, verifier, drafter_hidden, pool_ids, pool_logits, lm, embed, anchor=5)
+            root = root_breadth(budget, 4)
+            tree, _ = build_tree(lambda nodes, t: rnd.expand(nodes, *t.fields(nodes, 5), max(4, root)), budget,
+                                 B - 1, 4, 1, root)
+            assert root == want and len(tree) == budget
+            assert int((tree.parents == -1).sum()) == depth1  # a narrow root would stop at 4
+            assert max(int((tree.parents == p).sum()) for p in range(len(tree))) <= 4

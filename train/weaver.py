@@ -45,8 +45,10 @@ class WeaverConfig(FrozenComponentConfig):
     num_layers: int = ranged(2, ge=1)
     num_heads: int = ranged(4, ge=1)
     mlp_dim: int = ranged(512, ge=1)
+    # The decode settings (the trees' shape): not part of the training stage's hash, so changing them re-runs only
+    # the eval (DECODE_ONLY below). The root's depth-1 candidates: None widens it with the node budget (root_breadth).
     children: int = ranged(8, ge=1)  # children an expanded node publishes to the frontier
-    root_children: Optional[int] = ranged(None, ge=1)  # the root's (depth-1 candidates); None: `children`
+    root_children: Optional[int] = ranged(None, ge=1)
     kl_weight: float = ranged(0.0, ge=0.0)  # x KL(target restricted to the pool || Weaver) (needs topk_logprobs)
     tv_weight: float = ranged(0.0, ge=0.0)  # x total variation against the same
     eval_budget: int = ranged(32, ge=1)  # node budget of the held-out tree acceptance reported while training
@@ -171,20 +173,23 @@ def weaver_tree(weaver: Weaver, drafter, verifier_hidden: torch.Tensor, hidden: 
     top = logits.topk(min(weaver.top_k, logits.shape[-1]), -1)
     rnd = WeaverRound(weaver, verifier_hidden.to(hidden.dtype), hidden[1:], drafter.to_target_ids(top.indices),
                       top.values, drafter.lm_head.weight, drafter.embed_tokens, anchor)
-    k = max(children, root_children or children)
-    tree, sizes = build_tree(lambda nodes, t: rnd.expand(nodes, *node_fields(nodes, t, anchor), k), budget,
-                             hidden.shape[0] - 1, children, math.ceil(budget / 16), root_children)
+    root = root_breadth(budget, children, root_children)
+    k = max(children, root)
+    tree, sizes = build_tree(lambda nodes, grown: rnd.expand(nodes, *grown.fields(nodes, anchor), k), budget,
+                             hidden.shape[0] - 1, children, math.ceil(budget / 16), root)
     if calls is not None:
         calls.extend(sizes)
     return tree
 
 
-def node_fields(nodes: list[int], tree, anchor: int) -> tuple[list[int], list[int], list[int]]:
-    """Tokens, parents and depths of `nodes` in a partial tree (-1: the root, the anchor at depth 0)."""
-    tokens = [anchor if n == -1 else int(tree.tokens[n]) for n in nodes]
-    parents = [-1 if n == -1 else int(tree.parents[n]) for n in nodes]
-    depths = [0 if n == -1 else int(tree.depths[n]) for n in nodes]
-    return tokens, parents, depths
+def root_breadth(budget: int, children: int, root_children: int | None = None) -> int:
+    """The depth-1 candidates the root publishes: `root_children` when set, else half the node budget, at least
+    `children` and at most 32. Measured on the 1.6 CPU-hour drafter (docs/results/trees.md): 8 at 16 nodes, 16 at
+    32, 32 at 64 and 128 put the Weaver tree ahead of DDTree at every budget on every set; a root of `children`
+    left it behind from 32 nodes on (a weak drafter's acceptance is decided at depth 1)."""
+    if root_children is not None:
+        return root_children
+    return min(32, max(children, budget // 2))
 
 
 class WeaverTreeMethod(TreeMethod):
@@ -203,6 +208,7 @@ class WeaverTreeMethod(TreeMethod):
 # The catalogue entry (conf/catalogue.py).
 CONFIG = WeaverConfig
 SECTIONS = ("weaver",)
+DECODE_ONLY = ("children", "root_children")  # the trees' shape at eval: the trained weights do not depend on them
 INPUTS = ("teacher", "drafter")
 COMPONENT = WeaverComponent
 METHODS = {

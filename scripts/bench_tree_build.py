@@ -1,0 +1,109 @@
+"""Benchmark: what building a draft tree costs per round, DDTree against the Weaver tree, at each node budget.
+
+    python scripts/bench_tree_build.py experiment=smollm2_best hydra.run.dir=runs/smollm2_best \
+        [--blocks 48] [--budgets 16 32 64 128] [--threads 2] [--repeats 3]
+
+Loads the run's exported drafter, its trained Weaver (train/weaver/export) and the target; takes the first --blocks
+anchor blocks of the run's held-out teacher sequences (the drafter's block states and the target's final hidden state
+of each anchor's row, as a decode round has them) and times, per budget, each method's `tree` call alone (the part
+a round spends on selection; the target's verify is not included). Prints the median ms per round over the blocks
+(best of --repeats passes, against other processes on the machine), the trees' mean node count and the Weaver's
+expand calls per round, and a target step (1-token forward at 256 tokens of context) for scale. The Weaver's
+root breadth follows weaver.root_children (None: widens with the budget, train/weaver.py root_breadth).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
+from dflash_pipeline.conf.stages import stage_dir
+from dflash_pipeline.data.shards import TeacherDataset
+from dflash_pipeline.data.splits import split_heldout
+from dflash_pipeline.eval.protocol import drafter_blocks
+from dflash_pipeline.eval.stage import load_drafter
+from dflash_pipeline.eval.tree import DDTreeMethod
+from dflash_pipeline.models.generation import capture
+from dflash_pipeline.models.target import load_target
+from dflash_pipeline.train.weaver import WeaverTreeMethod, load_weaver, root_breadth, weaver_tree
+
+
+def main() -> None:
+    ap = measurement_parser(__doc__, prompts=1, threads=2)
+    ap.add_argument("--blocks", type=int, default=48)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = compose_run(args.overrides)
+    run_dir = Path(cfg.hydra.run.dir)
+    train_dir = run_dir / cfg.trainer.out_dir
+    weaver_dir = stage_dir(cfg, "train/weaver", run_dir) / "export"
+    if not (weaver_dir / "model.safetensors").is_file():
+        raise SystemExit(f"error: no trained Weaver at {weaver_dir}: run `dflash-train <same overrides> "
+                         "trainer.component=weaver` first")
+    target = load_target(cfg.target, cfg.cache_dir)
+    drafter, folder = load_drafter(cfg, train_dir, target)
+    weaver = load_weaver(weaver_dir, drafter.norm.weight.device)
+    data = TeacherDataset(Path(cfg.trainer.data_dir) if cfg.trainer.data_dir else run_dir / cfg.teacher.out_dir)
+    _, held = split_heldout(data.ids, cfg.trainer.heldout_samples, cfg.trainer.train_samples)
+    B = drafter.config.block_size
+    blocks = []  # (hidden (B, H), verifier hidden, anchor) per block, as a decode round has them
+    with torch.no_grad():
+        for i in held:
+            item = data[i]
+            final = capture(target.model, [item["input_ids"].tolist()], [], pad_id=target.tokenizer.pad_token_id,
+                            final=True)[0]["final_hidden"]
+            hidden, b, keep = drafter_blocks(drafter, [{**item, "final_hidden": final}], B)
+            verifier, anchors = b["verifier_hidden"][keep].to(hidden.dtype), b["block_ids"][keep][:, 0]
+            blocks += [(hidden[n], verifier[n], int(anchors[n])) for n in range(hidden.shape[0])]
+            if len(blocks) >= args.blocks:
+                break
+    blocks = blocks[:args.blocks]
+    ids = torch.randint(0, target.model.config.vocab_size, (1, 257))
+    with torch.no_grad():
+        out = target.model(ids[:, :256], use_cache=True)
+        step = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            target.model(ids[:, 256:], past_key_values=out.past_key_values, use_cache=False)
+            step.append(time.perf_counter() - t0)
+    step_ms = 1e3 * statistics.median(step)
+    print(f"drafter {folder}, Weaver {weaver_dir}, block {B}, {len(blocks)} held-out blocks, {args.threads} "
+          f"thread(s); target step {step_ms:.1f} ms (1 token at 256 of context)")
+    print("| nodes | DDTree ms / round | Weaver ms / round | Weaver / DDTree | Weaver calls / round | root | "
+          "Weaver ms in target steps |")
+    print("|---|---|---|---|---|---|---|")
+    for budget in args.budgets:
+        times, calls = {}, []
+        methods = {"ddtree": DDTreeMethod(drafter, budget),
+                   "weaver": WeaverTreeMethod(drafter, weaver, budget, cfg.weaver.children, cfg.weaver.root_children)}
+        for name, method in methods.items():
+            best = None
+            for _ in range(args.repeats):
+                per = []
+                with torch.no_grad():
+                    for hidden, verifier, anchor in blocks:
+                        t0 = time.perf_counter()
+                        method.tree(hidden, verifier, anchor)
+                        per.append(time.perf_counter() - t0)
+                med = statistics.median(per)
+                best = med if best is None else min(best, med)
+            times[name] = 1e3 * best
+        counted = []
+        with torch.no_grad():
+            for hidden, verifier, anchor in blocks[:8]:
+                weaver_tree(weaver, drafter, verifier, hidden, anchor, budget, cfg.weaver.children, counted,
+                            cfg.weaver.root_children)
+                calls.append(len(counted))
+                counted.clear()
+        root = root_breadth(budget, cfg.weaver.children, cfg.weaver.root_children)
+        print(f"| {budget} | {times['ddtree']:.2f} | {times['weaver']:.2f} | {times['weaver'] / times['ddtree']:.1f}x "
+              f"| {statistics.mean(calls):.1f} | {root} | {times['weaver'] / step_ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
