@@ -4,6 +4,8 @@ Layout of a dataset folder:
   plan.json                 the ordered sample ids of every shard and the config hash (written first)
   shard-00000.safetensors   input_ids int32 (N,), loss_mask uint8 (N,), features (N, n*H) bf16 by default,
                             offsets int64 (S+1,): sample s is rows offsets[s]:offsets[s+1];
+                            features in float8 (teacher.feature_dtype=float8_e4m3) add feature_scales float32
+                            (N, n): one scale per token and tap, read back as bf16 (quantize_fp8);
                             optional topk_ids int32 (N, k), topk_logprobs float32 (N, k)
   shard-00000.json          the shard's record: sample ids, counts, sha256 (written after the shard: the commit mark)
   manifest.json             every shard record + target/layer metadata (written last: the dataset is complete)
@@ -25,6 +27,10 @@ from safetensors.torch import save_file
 from dflash_pipeline.data.files import atomic_path, write_json
 
 FORMAT_VERSION = 1
+# teacher.feature_dtype -> the dtype the features are stored in (float8: with per-token, per-tap scales)
+FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                  "float8_e4m3": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn
 
 
 class DatasetError(Exception):
@@ -43,19 +49,42 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
+def quantize_fp8(features: torch.Tensor, taps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """features (N, taps*H) -> (e4m3 values (N, taps*H), float32 scales (N, taps)): each token's tap is scaled so
+    its largest |value| maps to e4m3's largest (448). Per tap because the tapped layers' magnitudes differ by orders
+    (an early layer against a late one); e4m3 keeps ~2 significant digits of every value within 2^-6 of its
+    tap's largest, the rest of its range subnormal."""
+    N, D = features.shape
+    x = features.float().view(N, taps, D // taps)
+    scales = x.abs().amax(-1).clamp(min=1e-30) / torch.finfo(FP8).max
+    return (x / scales[..., None]).to(FP8).view(N, D), scales
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The features quantize_fp8 stored, in `dtype`."""
+    N, D = values.shape
+    taps = scales.shape[-1]
+    return (values.float().view(N, taps, D // taps) * scales.float()[..., None]).view(N, D).to(dtype)
+
+
 def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: torch.dtype,
-                process: str = "0 of 1", seconds: float | None = None) -> dict:
+                process: str = "0 of 1", seconds: float | None = None, taps: int = 1) -> dict:
     """Write one shard of samples (dicts with id, input_ids, loss_mask, features[, topk_*]) and its record; `process`
     (rank of world size) says which process of a multi-process run wrote it; `seconds`, how long the target took to
-    make it (what a recipe's teacher data cost, summed over the shards a training run uses)."""
+    make it (what a recipe's teacher data cost, summed over the shards a training run uses); `taps`, how many
+    tapped layers the features concatenate (float8 scales each one apart)."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.tensor([0] + lengths).cumsum(0)
+    features = torch.cat([s["features"] for s in samples])
     tensors = {
         "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]),
         "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]),
-        "features": torch.cat([s["features"] for s in samples]).to(feature_dtype).contiguous(),
         "offsets": offsets,
     }
+    if feature_dtype == FP8:
+        tensors["features"], tensors["feature_scales"] = quantize_fp8(features, taps)
+    else:
+        tensors["features"] = features.to(feature_dtype).contiguous()
     if "targets" in samples[0]:  # teacher.mode prefill / mixed: the label of each token (data/teacher.py)
         tensors["targets"] = torch.cat([torch.as_tensor(s["targets"], dtype=torch.int32) for s in samples])
     if "topk_ids" in samples[0]:
@@ -175,6 +204,8 @@ class TeacherDataset(torch.utils.data.Dataset):
         j = i - self._starts[k]
         a, b = offsets[j], offsets[j + 1]
         item = {name: handle.get_slice(name)[a:b] for name in handle.keys() if name != "offsets"}
+        if "feature_scales" in item:  # float8 features: read as bf16
+            item["features"] = dequantize_fp8(item["features"], item.pop("feature_scales"))
         item["loss_mask"] = item["loss_mask"].bool()
         item["input_ids"] = item["input_ids"].long()
         item["id"] = self.ids[i]

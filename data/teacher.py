@@ -37,11 +37,12 @@ from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
-from dflash_pipeline.data.shards import FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, write_shard
+from dflash_pipeline.data.shards import FEATURE_DTYPES, FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, \
+    write_shard
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.splits import PREFILLED
 from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs
-from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, target_folder, torch_dtype
+from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, target_folder
 from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, vllm_python
 
 log = logging.getLogger(__name__)
@@ -346,7 +347,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
     check_engine(cfg)
     target = load_target(cfg.target, cfg.cache_dir)
     layer_ids = resolve_layer_ids(cfg.teacher.layer_ids, cfg.teacher.num_taps, target.num_layers)
-    feature_dtype = torch_dtype(cfg.teacher.feature_dtype)
+    feature_dtype = FEATURE_DTYPES[str(cfg.teacher.feature_dtype)]
     notes: list[str] = []
 
     def note(msg: str) -> None:
@@ -388,7 +389,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
             start = time.perf_counter()
             samples = teacher_samples(target, [convs[i] for i in shards[k]], cfg, layer_ids, bar, engine)
             write_shard(out, k, samples, feature_dtype, process=f"{state.process_index} of {state.num_processes}",
-                        seconds=time.perf_counter() - start)
+                        seconds=time.perf_counter() - start, taps=len(layer_ids))
     state.wait_for_everyone()
 
     if state.is_main_process:

@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file
 
 from dflash_pipeline.data import teacher as teacher_mod
-from dflash_pipeline.data.shards import DatasetError, TeacherDataset
+from dflash_pipeline.data.shards import DatasetError, TeacherDataset, dequantize_fp8, quantize_fp8
 from dflash_pipeline.data.sources import DataSourceError
 from dflash_pipeline.data.teacher import chat_segments, run_teacher
 from dflash_pipeline.models.generation import budget_batches, recapture
@@ -479,3 +479,41 @@ def test_show_sample_renders_the_stored_turns_with_the_trained_tokens_marked(tin
             run = []
     assert marked == replies and len(replies) == 2  # two regenerated turns
     assert "<|im_start|>user" in out.split("[[")[0]  # the template, unmarked
+
+
+def test_fp8_scales_each_tap_apart_so_a_quiet_layer_keeps_its_digits():
+    """Tapped layers differ in magnitude by orders; one scale per token would flush the quiet tap to zero."""
+    g = torch.Generator().manual_seed(0)
+    quiet, loud = torch.randn(6, 64, generator=g) * 1e-3, torch.randn(6, 64, generator=g) * 300
+    x = torch.cat([quiet, loud], -1)
+    values, scales = quantize_fp8(x, taps=2)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (6, 2)
+    back = dequantize_fp8(values, scales, torch.float32)
+    for a, b in ((back[:, :64], quiet), (back[:, 64:], loud)):
+        assert float((a - b).norm() / b.norm()) < 0.04  # e4m3: 3 mantissa bits
+    assert float((dequantize_fp8(*quantize_fp8(x, taps=1), torch.float32)[:, :64] - quiet).norm() / quiet.norm()) > 0.5
+
+
+def test_fp8_features_take_half_the_disk_and_read_back_as_the_bf16_ones(tiny_teacher, tmp_path):
+    """teacher.feature_dtype=float8_e4m3: the same samples, features stored in e4m3 (half of bf16's bytes, plus a
+    scale per token and tap), read as bf16 within e4m3's precision of the bf16 dataset; a drafter trains on them."""
+    out = run_teacher(make_config("teacher.feature_dtype=float8_e4m3"), tmp_path / "fp8")
+    bf16, fp8 = TeacherDataset(tiny_teacher), TeacherDataset(out)
+    assert fp8.manifest["feature_dtype"] == "float8_e4m3" and fp8.ids == bf16.ids
+    taps = len(fp8.layer_ids)
+    for k in range(len(fp8.shards)):
+        a = load_file(str(tiny_teacher / fp8.shards[k]["file"]))
+        b = load_file(str(out / fp8.shards[k]["file"]))
+        assert b["features"].dtype == torch.float8_e4m3fn and b["feature_scales"].shape == (len(b["input_ids"]), taps)
+        assert b["features"].nbytes * 2 == a["features"].nbytes
+    for i in range(len(fp8)):
+        x, y = bf16[i], fp8[i]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        assert y["features"].dtype == torch.bfloat16 and "feature_scales" not in y
+        err = (y["features"].float() - x["features"].float()).norm(dim=-1) / x["features"].float().norm(dim=-1)
+        assert float(err.max()) < 0.05
+    from dflash_pipeline.conf.entrypoints import run_stages
+
+    done = run_stages(make_config(f"trainer.data_dir={out}", "trainer.steps=2", "logger=none"), tmp_path / "run",
+                      ["train"])
+    assert (done["train"] / "export" / "model.safetensors").is_file()
