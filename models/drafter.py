@@ -386,6 +386,12 @@ class DFlashDrafter(nn.Module):
             x = self.layers[i](x, *context_kv[i], cos, sin, mask)
         return self.norm(x).view(Bc, Nb, B, -1)
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The submodules FSDP shards as units of their own (train/parallel.py), gathered only while they run: each
+        layer's MLP (most of a layer's weights). The attention projections stay in the root unit, because
+        forward_packed also calls them outside the layer's forward (the context K/V of every layer first)."""
+        return [layer.mlp for layer in self.layers]
+
     def layer_order(self) -> list[int]:
         """The layers a block passes through, in order: the stack, layer_repeats times (weight-tied depth)."""
         return list(range(len(self.layers))) * self.config.layer_repeats

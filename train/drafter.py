@@ -122,6 +122,9 @@ class DrafterWithSelector(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.drafter(*args, **kwargs)
 
+    def fsdp_units(self) -> list[torch.nn.Module]:
+        return self.drafter.fsdp_units()
+
 
 def drafter_of(model) -> DFlashDrafter:
     """The drafter inside whatever the loop holds: a DDP wrapper, a DrafterWithSelector, or the drafter itself."""

@@ -13,12 +13,11 @@ import logging
 import math
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator
 from omegaconf import DictConfig
 
 from dflash_pipeline.conf.progress import Progress
@@ -28,6 +27,7 @@ from dflash_pipeline.data.files import follow_umask
 from dflash_pipeline.conf import catalogue
 from dflash_pipeline.train.component import StageInputs, TrainingComponent
 from dflash_pipeline.train.errors import TrainError
+from dflash_pipeline.train.parallel import Accelerated, Sharded, fsdp_requested
 from dflash_pipeline.conf.logger import RunLogger
 
 log = logging.getLogger(__name__)
@@ -128,20 +128,17 @@ def make_accelerator(stage: Stage) -> Accelerator:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per saved file otherwise
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False,
                               mixed_precision=None if t.mixed_precision is None else str(t.mixed_precision))
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise TrainError("FSDP is not supported yet: the drafter shares the target's frozen embedding and LM head "
-                         "modules, and held-out evaluation and export run on one process; use DDP "
-                         "(scripts/accelerate/ddp_bf16.yaml)")
     world = accelerator.num_processes
     log.info("%s: %d process(es) (%s), device %s, mixed precision %s", stage.label, world,
-             accelerator.distributed_type.value, accelerator.device, accelerator.mixed_precision)
+             "FSDP" if fsdp_requested(accelerator) else accelerator.distributed_type.value, accelerator.device,
+             accelerator.mixed_precision)
     if t.batch_sequences % (world * t.grad_accum):
         raise TrainError(f"batch_sequences={t.batch_sequences} must be divisible by processes x grad_accum "
                          f"= {world} x {t.grad_accum}")
     return accelerator
 
 
-def resume(accelerator: Accelerator, stage: Stage) -> int:
+def resume(accelerator: Accelerator, stage: Stage, parallel) -> int:
     """The step to start from: a checkpoint of this very config (a killed run started again) is always continued,
     as batches are a function of (seed, step) and this equals the uninterrupted run; trainer.resume=true also
     continues another config's. A fresh run clears old checkpoints and metrics; a resumed one drops the metrics
@@ -151,7 +148,7 @@ def resume(accelerator: Accelerator, stage: Stage) -> int:
     last = next(reversed(checkpoints(ckpt_dir)), None)
     same = last is not None and json.loads((last / "step.json").read_text()).get("config_hash") == stage.digest
     if last is not None and (stage.settings.resume or same):
-        accelerator.load_state(str(last))
+        parallel.load(last)
         start = json.loads((last / "step.json").read_text())["step"]
         log.info("resumed from %s at step %d", last, start)
     elif accelerator.is_main_process and out.exists():
@@ -180,28 +177,36 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     accelerator = make_accelerator(stage)
     torch.manual_seed(cfg.seed)
     comp: TrainingComponent = catalogue.module(name).COMPONENT(cfg, stage.inputs, accelerator.device)
-    params = [p for p in comp.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
-    model, optimizer, scheduler = accelerator.prepare(comp.model, optimizer, scheduler)
-    start = resume(accelerator, stage)
+
+    def make_optimizer(params):
+        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
+
+    if fsdp_requested(accelerator):  # the drafter sharded; a component on a frozen drafter replicated
+        parallel = Sharded(comp.model, make_optimizer, accelerator, shard=not catalogue.on_frozen_drafter(name))
+    else:
+        parallel = Accelerated(comp.model, make_optimizer, accelerator)
+    start = resume(accelerator, stage, parallel)
     logger = RunLogger(cfg, out, "train" if name == "drafter" else f"train-{name}", enabled=accelerator.is_main_process,
                        resume=start > 0)
-    train_steps(accelerator, stage, comp, model, params, optimizer, scheduler, logger, start)
-    if accelerator.is_main_process:
-        comp.export(accelerator.unwrap_model(model), out / "export")
-        (out / "done.json").write_text(json.dumps({"config_hash": stage.digest, "steps": t.steps}))
-        log.info("exported the trained %s to %s", name, out / "export")
+    train_steps(accelerator, stage, comp, parallel, logger, start)
+    with parallel.unsharded() as trained:
+        if accelerator.is_main_process:
+            comp.export(trained, out / "export")
+            (out / "done.json").write_text(json.dumps({"config_hash": stage.digest, "steps": t.steps}))
+            log.info("exported the trained %s to %s", name, out / "export")
     accelerator.wait_for_everyone()
     logger.finish()
     return out
 
 
-def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent, model, params, optimizer,
-                scheduler, logger: RunLogger, start: int) -> None:
+def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent, parallel, logger: RunLogger,
+                start: int) -> None:
     """Steps start .. settings.steps: each process takes its slice of the step's global batch in grad_accum
     micro-batches; logging, held-out evaluation and checkpoints at their cadence."""
     t, world, rank = stage.settings, accelerator.num_processes, accelerator.process_index
+    model, optimizer, scheduler = parallel.model, parallel.optimizer, parallel.scheduler
+    params = [p for p in model.parameters() if p.requires_grad]
     prefix = "" if stage.name == "drafter" else f"{stage.name} "
     per_rank = t.batch_sequences // world
     micro = per_rank // t.grad_accum
@@ -217,8 +222,7 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
                                                device=accelerator.device), "sum").item()
         loss_total, step_stats = 0.0, []
         for m, batch in enumerate(batches):
-            sync = accelerator.no_sync(model) if m < len(batches) - 1 else nullcontext()
-            with sync, accelerator.autocast():
+            with parallel.sync(last=m == len(batches) - 1), accelerator.autocast():
                 autocast = autocast_dtype(accelerator.device)
                 loss_sum, stats = comp.loss(model, batch)
                 # DDP averages gradients over processes; scaling by world makes the result sum / global norm.
@@ -227,7 +231,7 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
             step_stats.append(stats)
             for unit, n in comp.work(batch).items():
                 seen[unit] = seen.get(unit, 0) + n * world
-        grad_norm = accelerator.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0 else torch.tensor(0.0)
+        grad_norm = parallel.clip(params, t.grad_clip) if t.grad_clip > 0 else 0.0
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -245,20 +249,23 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
             log.info("%sstep %d/%d loss %.4f lr %.2e grad %.2f %s, ETA %s", prefix, step + 1, t.steps, loss,
                      metrics["lr"], metrics["grad_norm"], brief({**own_metrics, **rates}), bar.eta_text())
         if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
-            if accelerator.is_main_process:
-                metrics["heldout"] = comp.evaluate(accelerator.unwrap_model(model))
-                log.info("%sheld-out %s", prefix, brief(metrics["heldout"]))
+            with parallel.unsharded() as trained:
+                if accelerator.is_main_process:
+                    metrics["heldout"] = comp.evaluate(trained)
+                    log.info("%sheld-out %s", prefix, brief(metrics["heldout"]))
             clock = time.perf_counter()
         logger.log(metrics, step + 1)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            save_checkpoint(accelerator, stage.out / "checkpoints", step + 1, t.keep_checkpoints, stage.digest)
+            save_checkpoint(accelerator, parallel, stage.out / "checkpoints", step + 1, t.keep_checkpoints,
+                            stage.digest)
     bar.close()
 
 
-def save_checkpoint(accelerator: Accelerator, folder: Path, step: int, keep: int, digest: str) -> None:
-    """Model, optimizer, scheduler and RNG states via accelerate; step.json written last marks it complete."""
+def save_checkpoint(accelerator: Accelerator, parallel, folder: Path, step: int, keep: int, digest: str) -> None:
+    """Model, optimizer and scheduler states (train/parallel.py: via accelerate, or full states under FSDP);
+    step.json written last marks it complete."""
     path = folder / f"step-{step:07d}"
-    accelerator.save_state(str(path))
+    parallel.save(path)
     accelerator.wait_for_everyone()  # every process's files are written before their modes are set
     if accelerator.is_main_process:
         follow_umask(path)
