@@ -215,11 +215,14 @@ def test_slurm_launcher_and_accelerate_recipes_are_valid():
     from accelerate.commands.config.config_args import ClusterConfig
 
     recipes = sorted((ROOT / "scripts" / "accelerate").glob("*.yaml"))
-    assert {p.stem for p in recipes} >= {"ddp_bf16", "multinode_ddp_bf16", "cpu_2proc"}
+    assert {p.stem for p in recipes} >= {"ddp_bf16", "multinode_ddp_bf16", "cpu_2proc", "fsdp_bf16",
+                                         "multinode_fsdp_bf16", "cpu_2proc_fsdp"}
     for path in recipes:
         c = ClusterConfig.from_yaml_file(str(path))  # unknown keys raise
         assert c.num_processes >= 2
         assert c.mixed_precision == ("no" if c.use_cpu else "bf16")
+        if "fsdp" in path.stem:  # the loop shards the drafter itself with FSDP2 (train/parallel.py)
+            assert c.distributed_type == "FSDP" and c.fsdp_config == {"fsdp_version": 2}
 
 
 def test_slurm_launcher_runs_each_job_as_one_distributed_job_per_task(tiny_teacher, tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from dflash_pipeline.train.drafter import DrafterComponent
 from dflash_pipeline.train.loop import run_train
 from dflash_pipeline.train.losses import block_loss, dpace_weights, normaliser
 
-from conftest import accelerate_launch, make_config, metrics, run_command
+from conftest import ROOT, accelerate_launch, make_config, metrics, run_command
 
 
 def losses(run: Path) -> list[float]:
@@ -281,3 +282,33 @@ def test_dflash2_joint_training_trains_the_selector_with_the_drafter(tiny_teache
     with pytest.raises(ConfigError, match="drop selector from pipeline.components"):
         run_stages(make_config("trainer.selector_loss_weight=1.0", "pipeline.components=[selector]"), tmp_path / "p",
                    ["components"])
+
+
+def test_fsdp_on_two_processes_follows_one_process_resumes_on_another_count_and_exports_its_weights(tiny_teacher,
+                                                                                                    tmp_path):
+    """An FSDP launch (accelerate's --use_fsdp, which a CPU launch runs as gloo processes: train/parallel.py shards
+    the drafter itself): the losses and held-out metrics of 1 process; its full-state checkpoint resumes on 1 process
+    and continues the curve; the export holds exactly the checkpoint's weights, unsharded, as a 1-process export."""
+    def launch(n: int, run_dir: Path, *extra: str, fsdp: bool = True):
+        args = ["-m", "dflash_pipeline.train", "experiment=tiny", f"hydra.run.dir={run_dir}",
+                f"trainer.data_dir={tiny_teacher}", "trainer.eval_every=2", "trainer.save_every=2", *extra]
+        fsdp_config = ROOT / "scripts" / "accelerate" / "cpu_2proc_fsdp.yaml"  # the documented CPU FSDP launch
+        run_command([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(fsdp_config),
+                     "--num_processes", str(n), *args] if fsdp else accelerate_launch(n, *args), timeout=300)
+        return metrics(run_dir / "train")
+
+    one = launch(1, tmp_path / "one", "trainer.steps=4", fsdp=False)
+    two = launch(2, tmp_path / "two", "trainer.steps=4")
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
+    for a, b in zip(one, two):
+        if "heldout" in a:
+            assert b["heldout"]["a_k"] == pytest.approx(a["heldout"]["a_k"], abs=1e-6)
+    ckpt = tmp_path / "two" / "train" / "checkpoints" / "step-0000004"
+    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.safetensors", "optimizer.json",
+                                               "scheduler.json", "step.json"}  # safetensors + JSON: no pickle
+    export = load_file(str(tmp_path / "two" / "train" / "export" / "model.safetensors"))
+    state = load_file(str(ckpt / "model.safetensors"))
+    assert set(export) == set(state) and all(torch.equal(export[k], state[k]) for k in export)
+    launch(2, tmp_path / "switch", "trainer.steps=2")  # killed after step 2 (a shorter run), resumed on 1 process
+    switched = launch(1, tmp_path / "switch", "trainer.steps=4", "trainer.resume=true")
+    assert [r["loss"] for r in switched] == pytest.approx([r["loss"] for r in one], rel=1e-4)
