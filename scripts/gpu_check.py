@@ -21,7 +21,11 @@ the target's width, block 16, 5 tapped layers) on it; then, each section timed:
             each classified by eval/exactness.py ExactnessJudge (identical / near_tie / wrong, the float32
             log-prob gap at a divergence), tau per decode and the decode speedup (AR time / speculative time).
             A drafter trained on random tokens for a random target drafts little that is accepted (tau near 1,
-            speedup below 1): the decodes check exactness and the loop's overheads, not a trained drafter's gain.
+            speedup below 1): the decodes check exactness and the loop's overheads, not a trained drafter's gain;
+- fsdp      with more than one GPU (or --fsdp-procs N): the same packed steps on random features, one process and
+            then N processes with the drafter sharded as an FSDP launch shards it (train/parallel.py `shard`:
+            FSDP2, each layer's MLP a unit), the same global batch: the losses of both, ms/step, and per process the
+            bytes of weights, gradients and AdamW state it holds and its peak memory.
 Prints a summary and writes everything as JSON to --out (default $OUT/gpu_check.json when OUT is set, else
 ./gpu_check.json), atomically, after every section: a run stopped at its time limit keeps what it finished.
 """
@@ -58,8 +62,9 @@ MASK_TOKEN = {"qwen3_8b": 151669, "tiny": 999}  # Qwen3: the first embedding row
 # Per-scale defaults of the run sizes (the tiny ones keep a CPU run well under a minute).
 DEFAULTS = {
     "qwen3_8b": dict(context=512, cost_repeats=12, train_steps=300, train_seqs=4, train_len=1024, anchors=256,
-                     prompt_len=128),
-    "tiny": dict(context=64, cost_repeats=3, train_steps=5, train_seqs=2, train_len=128, anchors=8, prompt_len=16),
+                     prompt_len=128, fsdp_steps=10),
+    "tiny": dict(context=64, cost_repeats=3, train_steps=5, train_seqs=2, train_len=128, anchors=8, prompt_len=16,
+                 fsdp_steps=3),
 }
 
 
@@ -93,6 +98,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, help="random prompt tokens per decode (default: 128; tiny 16)")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="near-tie tolerance in nats (default: eval.exactness.DEFAULT_TOLERANCE)")
+    ap.add_argument("--fsdp-procs", type=int, default=None,
+                    help="processes of the fsdp section (default: the GPU count when above 1, else the section is "
+                         "skipped; on a CPU, gloo processes)")
+    ap.add_argument("--fsdp-steps", type=int, default=None, help="steps per fsdp run (default: 10; tiny 3)")
     ap.add_argument("--seed", type=int, default=0, help="weights, tokens and anchors (default: %(default)s)")
     ap.add_argument("--out", default=None, help="default: $OUT/gpu_check.json when OUT is set, else gpu_check.json")
     args = ap.parse_args()
@@ -301,6 +310,133 @@ def decodes(run: Run, res: dict, target, drafter, args, gen) -> None:
                decode_speedup=sum(r["ar_decode_s"] for r in rows) / max(1e-9, sum(r["spec_decode_s"] for r in rows)))
 
 
+class _Embeddings:
+    """What build_drafter reads of a target: its config and its embedding and LM-head modules (random, frozen)."""
+
+    def __init__(self, scale: str, device, dtype):
+        import torch
+        from transformers import Qwen3Config
+
+        self.config = Qwen3Config(**SCALES[scale], rope_theta=1e6, max_position_embeddings=40960)
+        V, H = self.config.vocab_size, self.config.hidden_size
+        with torch.device(device):
+            self.embed = torch.nn.Embedding(V, H, dtype=dtype).requires_grad_(False)
+            self.head = torch.nn.Linear(H, V, bias=False, dtype=dtype).requires_grad_(False)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def fsdp_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str) -> None:
+    """One process of an fsdp run: the drafter (sharded when world > 1), `args.fsdp_steps` packed steps of the global
+    batch (this rank's slice), decay loss over the global normaliser; rank 0 writes the run's figures to `out`."""
+    use_checkout()
+    import torch
+    import torch.distributed as dist
+
+    from dflash_pipeline.data.blocks import pack_blocks
+    from dflash_pipeline.data.splits import anchor_generators
+    from dflash_pipeline.train.losses import block_loss, default_gamma, effective_valid, normaliser
+    from dflash_pipeline.train.parallel import shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = args.device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)  # the same initial weights in every process
+    drafter = build_drafter(_Embeddings(args.scale, device, dtype), args.scale, device).float().train()
+    conf = drafter.config
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        drafter = shard(drafter, init_device_mesh(device.type, (world,)))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    to_column, gamma = drafter.target_to_column(), default_gamma(BLOCK)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    gen = torch.Generator().manual_seed(args.seed + 1)  # the same global batch in every process
+    seqs = max(world, args.train_seqs - args.train_seqs % world)
+    losses, step_s = [], []
+    for step in range(args.fsdp_steps):
+        items = [{"input_ids": torch.randint(0, conf.mask_token_id, (args.train_len,), generator=gen),
+                  "loss_mask": torch.arange(args.train_len) > 0,
+                  "features": torch.randn(args.train_len, TAPS * conf.target_hidden_size, generator=gen)}
+                 for _ in range(seqs)]
+        per = seqs // world
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        batch = pack_blocks(items[rank * per:(rank + 1) * per], block_size=BLOCK, mask_token_id=conf.mask_token_id,
+                            anchors_per_sequence=args.anchors,
+                            generators=anchor_generators(args.seed, step, rank * per, per))
+        b = {k: v.to(device) for k, v in batch.items()}
+        keep = b["anchor_valid"]
+        labels, label_valid = to_column[b["labels"][keep]], b["label_valid"][keep]
+        norm = torch.tensor(float(normaliser("decay", effective_valid("decay", labels, label_valid), gamma)),
+                            device=device)
+        dist.all_reduce(norm)
+        with autocast:
+            hidden = drafter(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], keep)
+            loss_sum = block_loss(drafter.logits(hidden[keep][:, 1:]), labels, label_valid, kind="decay", gamma=gamma)
+        (loss_sum * world / norm).backward()  # FSDP averages gradients over processes, as DDP does
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss_sum.detach().float()
+        dist.all_reduce(total)
+        losses.append(float(total / norm))
+        step_s.append(time.perf_counter() - t0)
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    held = torch.tensor(float(sum(local(p).numel() * 16 for p in params)), device=device)  # weights, grads, 2 moments
+    peak = torch.tensor(peak_memory_gib(device) or 0.0, device=device)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "processes": world, "sequences_per_step": seqs, "losses": losses,
+            "ms_per_step": 1e3 * statistics.median(step_s[1:] or step_s), "state_gib_per_process": float(held) / 2**30,
+            "peak_memory_gib_per_process": float(peak), "drafter_params_m": sum(p.numel() for p in params) / 1e6
+            if world == 1 else None}))
+    dist.destroy_process_group()
+
+
+def fsdp(run: Run, res: dict, args) -> None:
+    """The fsdp section: one process, then args.fsdp_procs, the same global batch; each run in processes of its
+    own (torch.multiprocessing), so the parent's memory does not count."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    runs = {}
+    for world in (1, args.fsdp_procs):
+        with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            sock.close()
+            out = str(Path(tmp) / "fsdp.json")
+            mp.spawn(fsdp_worker, args=(world, args, port, out), nprocs=world, join=True)
+            runs[world] = json.loads(Path(out).read_text())
+        print(f"  {world} process(es): {runs[world]['ms_per_step']:.0f} ms/step, state "
+              f"{runs[world]['state_gib_per_process']:.2f} GiB per process, losses "
+              f"{[round(x, 4) for x in runs[world]['losses']]}", flush=True)
+    one, many = runs[1], runs[args.fsdp_procs]
+    res.update(runs={str(k): v for k, v in runs.items()},
+               loss_max_rel_diff=max(abs(a - b) / abs(a) for a, b in zip(one["losses"], many["losses"])),
+               state_ratio=many["state_gib_per_process"] / one["state_gib_per_process"],
+               step_time_ratio=many["ms_per_step"] / one["ms_per_step"])
+
+
 def summary(r: dict) -> None:
     m = r.get("machine", {})
     print(f"\n{m.get('gpu') or m.get('cpu')}: torch {m.get('torch')}, transformers {m.get('transformers')}, "
@@ -321,6 +457,11 @@ def summary(r: dict) -> None:
         gaps = [(x["position"], x["logprob_gap"]) for x in d["decodes"] if x["kind"] != "identical"]
         print(f"exactness: {d['counts']}, divergences (position, gap) {gaps}; tau {[round(x, 2) for x in d['tau']]};"
               f" speedup {d['speedup']:.2f}x (decode only {d['decode_speedup']:.2f}x)")
+    f = r.get("fsdp", {})
+    if "state_ratio" in f:
+        n = max(int(k) for k in f["runs"])
+        print(f"fsdp over {n} processes: state per process {f['state_ratio']:.3f} of one process's, ms/step "
+              f"{f['step_time_ratio']:.2f}x, losses within {f['loss_max_rel_diff']:.1e} (relative)")
     print(f"seconds: {r['seconds']}; errors: {r['errors'] or 'none'}")
 
 
@@ -374,6 +515,14 @@ def main() -> int:
     with run.section("decodes") as res:
         drafter.to(dtype).eval()
         decodes(run, res, target, drafter, args, gen)
+    if args.fsdp_procs is None and device.type == "cuda" and torch.cuda.device_count() > 1:
+        args.fsdp_procs = torch.cuda.device_count()
+    if args.fsdp_procs and args.fsdp_procs > 1:
+        del model, drafter, target  # the fsdp processes build their own
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        with run.section("fsdp") as res:
+            fsdp(run, res, args)
     run.write()
     summary(r)
     return 1 if r["errors"] else 0

@@ -49,12 +49,12 @@ def run_script(*args: str, blocked: bool = True) -> subprocess.CompletedProcess:
 def test_tiny_run_on_cpu(tmp_path):
     out = tmp_path / "g.json"
     proc = run_script("--scale", "tiny", "--device", "cpu", "--train-steps", "3", "--decodes", "2",
-                      "--max-new-tokens", "12", "--out", str(out))
+                      "--max-new-tokens", "12", "--fsdp-procs", "2", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["errors"] == {}
     assert r["unneeded_imported"] == []
     assert r["package_root"] == str(ROOT)  # this checkout, whatever is installed
-    assert set(r["seconds"]) == {"build", "costs", "train", "decodes", "total"}
+    assert set(r["seconds"]) == {"build", "costs", "train", "decodes", "fsdp", "total"}
 
     c = r["costs"]
     assert len(c["verify_cost"]) == 16 and c["verify_cost"][0] == pytest.approx(1.0)
@@ -79,6 +79,11 @@ def test_tiny_run_on_cpu(tmp_path):
             assert row["logprob_gap"] < d["tolerance"]
     assert d["speedup"] > 0
     assert "c(n), n=1..16" in proc.stdout and "exactness:" in proc.stdout
+
+    f = r["fsdp"]  # 2 gloo processes, the drafter sharded as an FSDP launch shards it: 1 process's losses
+    assert set(f["runs"]) == {"1", "2"} and len(f["runs"]["2"]["losses"]) == 3
+    assert f["loss_max_rel_diff"] < 1e-3 and f["state_ratio"] == pytest.approx(0.5, abs=0.01)
+    assert "fsdp over 2 processes" in proc.stdout
 
 
 def test_help():

@@ -31,8 +31,9 @@ import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from accelerate import Accelerator, DistributedType
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -40,12 +41,26 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from dflash_pipeline.data.files import save_safetensors, write_json
 
+if TYPE_CHECKING:  # scripts/gpu_check.py uses `shard` without accelerate installed
+    from accelerate import Accelerator
+
 
 def fsdp_requested(accelerator: Accelerator) -> bool:
     """The launcher asked for FSDP: accelerate's own distributed type on GPUs, or the environment its launcher sets
     (ACCELERATE_USE_FSDP), which a CPU launch reports as MULTI_CPU."""
+    from accelerate import DistributedType
+
     return accelerator.distributed_type == DistributedType.FSDP or \
         os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+
+
+def shard(model: nn.Module, mesh) -> nn.Module:
+    """FSDP2 over `mesh`: the modules the model names in `fsdp_units()` as units of their own, the rest the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in model.fsdp_units() if hasattr(model, "fsdp_units") else []:
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def external_modules(model: nn.Module) -> dict[int, nn.Module]:
@@ -99,12 +114,8 @@ class Sharded:
         self.replica = copy.deepcopy(model, external_modules(model)).cpu() if accelerator.is_main_process else None
         if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-            for unit in model.fsdp_units() if hasattr(model, "fsdp_units") else []:
-                fully_shard(unit, mesh=mesh)
-            self.model = fully_shard(model, mesh=mesh)
+            self.model = shard(model, init_device_mesh(accelerator.device.type, (accelerator.num_processes,)))
         elif accelerator.num_processes > 1:
             ids = [accelerator.device.index] if accelerator.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
