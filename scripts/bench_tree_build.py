@@ -7,9 +7,10 @@ Loads the run's exported drafter, its trained Weaver (train/weaver/export) and t
 anchor blocks of the run's held-out teacher sequences (the drafter's block states and the target's final hidden state
 of each anchor's row, as a decode round has them) and times, per budget, each method's `tree` call alone (the part
 a round spends on selection; the target's verify is not included). Prints the median ms per round over the blocks
-(best of --repeats passes, against other processes on the machine), the trees' mean node count and the Weaver's
+(best of --repeats passes, against other processes on the machine), the Weaver's
 expand calls per round, and a target step (1-token forward at 256 tokens of context) for scale. The Weaver's
-root breadth follows weaver.root_children (None: widens with the budget, train/weaver.py root_breadth).
+root breadth follows weaver.root_children (unset: it widens with the budget, train/weaver.py root_breadth; set it
+to compare builders on the same trees).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from dflash_pipeline.eval.stage import load_drafter
 from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.generation import capture
 from dflash_pipeline.models.target import load_target
-from dflash_pipeline.train.weaver import WeaverTreeMethod, load_weaver, root_breadth, weaver_tree
+from dflash_pipeline.train.weaver import WeaverTreeMethod, load_weaver, weaver_tree
 
 
 def main() -> None:
@@ -74,9 +75,9 @@ def main() -> None:
     step_ms = 1e3 * statistics.median(step)
     print(f"drafter {folder}, Weaver {weaver_dir}, block {B}, {len(blocks)} held-out blocks, {args.threads} "
           f"thread(s); target step {step_ms:.1f} ms (1 token at 256 of context)")
-    print("| nodes | DDTree ms / round | Weaver ms / round | Weaver / DDTree | Weaver calls / round | root | "
+    print("| nodes | DDTree ms / round | Weaver ms / round | Weaver / DDTree | Weaver calls / round | "
           "Weaver ms in target steps |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for budget in args.budgets:
         times, calls = {}, []
         methods = {"ddtree": DDTreeMethod(drafter, budget),
@@ -100,9 +101,8 @@ def main() -> None:
                             cfg.weaver.root_children)
                 calls.append(len(counted))
                 counted.clear()
-        root = root_breadth(budget, cfg.weaver.children, cfg.weaver.root_children)
         print(f"| {budget} | {times['ddtree']:.2f} | {times['weaver']:.2f} | {times['weaver'] / times['ddtree']:.1f}x "
-              f"| {statistics.mean(calls):.1f} | {root} | {times['weaver'] / step_ms:.2f} |")
+              f"| {statistics.mean(calls):.1f} | {times['weaver'] / step_ms:.2f} |")
 
 
 if __name__ == "__main__":
