@@ -58,7 +58,7 @@ def child(shape: str, layers: int, out: Path) -> None:
         opt = torch.optim.AdamW(params, lr=1e-4)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
-    par = Sharded(drafter, make, acc, shard=True)
+    par = Sharded(drafter, make, acc, sharded=True)
     Tc, Nb, B = 64, 2, 16
     g = torch.Generator().manual_seed(1)
     for _ in range(2):

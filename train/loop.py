@@ -183,7 +183,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
 
     if fsdp_requested(accelerator):  # the drafter sharded; a component on a frozen drafter replicated
-        parallel = Sharded(comp.model, make_optimizer, accelerator, shard=not catalogue.on_frozen_drafter(name))
+        parallel = Sharded(comp.model, make_optimizer, accelerator, sharded=not catalogue.on_frozen_drafter(name))
     else:
         parallel = Accelerated(comp.model, make_optimizer, accelerator)
     start = resume(accelerator, stage, parallel)

@@ -104,12 +104,12 @@ class Accelerated:
 
 
 class Sharded:
-    """The model under an FSDP launch: sharded (shard=True: the drafter stage) or replicated (DDP), with full-state
+    """The model under an FSDP launch: sharded (sharded=True: the drafter stage) or replicated (DDP), with full-state
     checkpoints and a rank-0 replica for eval and export. The optimizer and schedule are made by `make` once the
     parameters are sharded. Methods that gather are collective: every process calls them."""
 
-    def __init__(self, model: nn.Module, make_optimizer, accelerator: Accelerator, shard: bool):
-        self.accelerator, self.sharded = accelerator, shard and accelerator.num_processes > 1
+    def __init__(self, model: nn.Module, make_optimizer, accelerator: Accelerator, sharded: bool):
+        self.accelerator, self.sharded = accelerator, sharded and accelerator.num_processes > 1
         # rank 0's unsharded copy (host memory: one full set of weights, no optimizer state)
         self.replica = copy.deepcopy(model, external_modules(model)).cpu() if accelerator.is_main_process else None
         if self.sharded:
