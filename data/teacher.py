@@ -37,8 +37,8 @@ from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.conf.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
-from dflash_pipeline.data.shards import FEATURE_DTYPES, FORMAT_VERSION, DatasetError, TeacherDataset, read_shard_record, \
-    write_shard
+from dflash_pipeline.data.shards import (FEATURE_DTYPES, FORMAT_VERSION, DatasetError, TeacherDataset,
+                                         read_shard_record, write_shard)
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.splits import PREFILLED
 from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs

@@ -220,7 +220,8 @@ def build_tree(expand: Expand, budget: int, max_depth: int, children: int = 8,
     """The modified DySpec builder: grow the tree by path log-prob, expanding `width` nodes per scoring call.
 
     expand(nodes, grown) -> (child_ids (w, c), child_logprobs (w, c)): `nodes` are indices into `grown` (the
-    GrowingTree built so far; -1 = the root, the anchor), and row j holds node j's candidate children, best first, with their
+    GrowingTree built so far; -1 = the root, the anchor), and row j holds node j's candidate children, best first,
+    with their
     conditional log-probs log p(child | path). Each expanded node pushes its first `children` candidates (those with
     log-prob -inf are skipped) onto a frontier keyed by path log-prob; the root pushes `root_children` (default
     `children`: a wider root spends budget on depth-1 siblings, where a weak drafter's acceptance is decided, and

@@ -112,8 +112,8 @@ def main() -> None:
     H, I, heads, kv, hd, L, taps = SHAPES[args.shape]
     print(f"{args.shape}-shaped drafter (hidden {H}, MLP {I}, {heads} heads / {kv} KV, {taps} taps): {args.layers} "
           f"layer(s), {trainable / 1e9:.2f}B trainable parameters; AdamW, float32 weights")
-    print("| processes | params + grads + AdamW per rank (GiB) | peak RSS rank 0 / others (GiB) | rank-0 replica (GiB) | "
-          f"state per rank scaled to 5 layers (GiB, estimate) |")
+    print("| processes | params + grads + AdamW per rank (GiB) | peak RSS rank 0 / others (GiB) | "
+          "rank-0 replica (GiB) | state per rank scaled to 5 layers (GiB, estimate) |")
     print("|---|---|---|---|---|")
     for n, ranks in rows:
         state = max(r["state_bytes"] for r in ranks)

@@ -1,9 +1,10 @@
 """How the loop's model is spread over processes: `Accelerated` (accelerate's prepare: DDP, or one process) by
-default, `Sharded` under an FSDP launch. Both give the loop the same five things: the model to call, gradient
-sync per micro-batch, an unsharded model on rank 0 (eval, export), and checkpoint save / load.
+default, `Sharded` under an FSDP launch. Both give the loop the same things: the model, optimizer and schedule,
+gradient sync per micro-batch, gradient clipping, an unsharded model on rank 0 (eval, export), and checkpoint
+save / load.
 
 FSDP for the drafter, when the launcher asks for it (`accelerate launch --use_fsdp` or a config file with
-`distributed_type: FSDP`, e.g. scripts/accelerate/fsdp_1node.yaml): PyTorch FSDP2 (`fully_shard`), applied here.
+`distributed_type: FSDP`, e.g. scripts/accelerate/fsdp_bf16.yaml): PyTorch FSDP2 (`fully_shard`), applied here.
 
 Why here and not in `accelerator.prepare`: accelerate builds FSDP on GPUs only (a CPU launch with --use_fsdp runs as
 plain multi-process, which is how the tests run it on 2 gloo processes), and the loop needs three things its FSDP
@@ -12,7 +13,8 @@ the frozen target modules left alone. So:
 - the drafter stage is sharded: the modules the model names in `fsdp_units()` (each layer's MLP: most of the
   weights) are FSDP units of their own, gathered only while they run; the model's other own parameters (attention,
   fc, norms, a draft-vocabulary head, a jointly trained selector) form the root unit, gathered for the whole forward
-  and backward (models/drafter.py: fsdp_units says why the attention stays there). Gradients are reduce-scattered and averaged as DDP averages them, so the loop's loss scaling is unchanged.
+  and backward (models/drafter.py: fsdp_units says why the attention stays there). Gradients are reduce-scattered
+  and averaged as DDP averages them, so the loop's loss scaling is unchanged.
 - the target's frozen embedding and LM head, which the drafter only refers to (outside its module tree), stay whole
   on every rank: the target itself runs with them (features in online training, eval), they have no gradient and
   no optimizer state, and sharding them would only add an all-gather to every forward.
@@ -30,7 +32,6 @@ import json
 import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,8 +106,8 @@ class Accelerated:
 
 class Sharded:
     """The model under an FSDP launch: sharded (sharded=True: the drafter stage) or replicated (DDP), with full-state
-    checkpoints and a rank-0 replica for eval and export. The optimizer and schedule are made by `make` once the
-    parameters are sharded. Methods that gather are collective: every process calls them."""
+    checkpoints and a rank-0 replica for eval and export. The optimizer and schedule are made by `make_optimizer` once
+    the parameters are sharded. Methods that gather are collective: every process calls them."""
 
     def __init__(self, model: nn.Module, make_optimizer, accelerator: Accelerator, sharded: bool):
         self.accelerator, self.sharded = accelerator, sharded and accelerator.num_processes > 1
