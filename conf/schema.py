@@ -44,12 +44,14 @@ class DType(Choice):
 
 class FeatureDType(Choice):
     """How the teacher stores tapped features: float8_e4m3 is e4m3 with a float32 scale per token and tap, half
-    the bytes of bfloat16 (data/shards.py: quantize_fp8), read back as bfloat16."""
+    the bytes of bfloat16 (data/shards.py: quantize_fp8), read back as bfloat16; none stores tokens only, and every
+    stage that reads the dataset captures the features from the target when it needs them (trainer.online)."""
 
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
     float8_e4m3 = "float8_e4m3"
+    none = "none"
 
 
 class TargetDType(Choice):
@@ -208,7 +210,7 @@ class TeacherConfig:
     # pass after generation (features bit-identical however samples are batched)
     capture: Capture = Capture.during
     shard_size: int = ranged(64, ge=1)  # samples per shard
-    feature_dtype: FeatureDType = FeatureDType.bfloat16  # float8_e4m3: half the disk (per-token, per-tap scales)
+    feature_dtype: FeatureDType = FeatureDType.bfloat16  # float8_e4m3: half the disk; none: tokens only (online)
     topk_logprobs: int = ranged(0, ge=0)  # >0: also store the target's top-k log-probs per position (distillation)
     # regenerate: the target writes every reply (one decode step per token); prefill: the dataset's own replies, each
     # token labelled with the target's greedy choice after the dataset's prefix, in one prefill per sequence; mixed:

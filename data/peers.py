@@ -59,6 +59,9 @@ def prenorm_final_hidden(model, sequences: list[list[int]], *, pad_id: int, max_
 
 def peer_samples(data: TeacherDataset, indices: list[int]) -> tuple[list[dict], int]:
     """The samples at `indices` with peer loss masks, those a peer can train on; and how many were left out."""
+    if not data.has_features:
+        raise DatasetError(f"teacher data at {data.folder} stores no features (teacher.feature_dtype=none): the peers "
+                           "read stored hidden states; convert a dataset made with teacher.feature_dtype=bfloat16")
     prefilled = [data.ids[i] for i in indices if data.ids[i].startswith(PREFILLED)]
     if prefilled:
         raise DatasetError(f"{len(prefilled)} prefilled samples (e.g. {prefilled[0]!r}): the peers train on input_ids "

@@ -6,6 +6,7 @@ Layout of a dataset folder:
                             offsets int64 (S+1,): sample s is rows offsets[s]:offsets[s+1];
                             features in float8 (teacher.feature_dtype=float8_e4m3) add feature_scales float32
                             (N, n): one scale per token and tap, read back as bf16 (quantize_fp8);
+                            teacher.feature_dtype=none stores no features (the stages capture them when needed);
                             optional topk_ids int32 (N, k), topk_logprobs float32 (N, k)
   shard-00000.json          the shard's record: sample ids, counts, sha256 (written after the shard: the commit mark)
   manifest.json             every shard record + target/layer metadata (written last: the dataset is complete)
@@ -27,9 +28,10 @@ from safetensors.torch import save_file
 from dflash_pipeline.data.files import atomic_path, write_json
 
 FORMAT_VERSION = 1
-# teacher.feature_dtype -> the dtype the features are stored in (float8: with per-token, per-tap scales)
+# teacher.feature_dtype -> the dtype the features are stored in (float8: with per-token, per-tap scales; None: not
+# stored, tokens only)
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                  "float8_e4m3": torch.float8_e4m3fn}
+                  "float8_e4m3": torch.float8_e4m3fn, "none": None}
 FP8 = torch.float8_e4m3fn
 
 
@@ -67,24 +69,23 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return (values.float().view(N, taps, D // taps) * scales.float()[..., None]).view(N, D).to(dtype)
 
 
-def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: torch.dtype,
+def write_shard(folder: Path, index: int, samples: list[dict], feature_dtype: torch.dtype | None,
                 process: str = "0 of 1", seconds: float | None = None, taps: int = 1) -> dict:
     """Write one shard of samples (dicts with id, input_ids, loss_mask, features[, topk_*]) and its record; `process`
     (rank of world size) says which process of a multi-process run wrote it; `seconds`, how long the target took to
     make it (what a recipe's teacher data cost, summed over the shards a training run uses); `taps`, how many
-    tapped layers the features concatenate (float8 scales each one apart)."""
+    tapped layers the features concatenate (float8 scales each one apart); feature_dtype None: no features."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.tensor([0] + lengths).cumsum(0)
-    features = torch.cat([s["features"] for s in samples])
     tensors = {
         "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]),
         "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]),
         "offsets": offsets,
     }
     if feature_dtype == FP8:
-        tensors["features"], tensors["feature_scales"] = quantize_fp8(features, taps)
-    else:
-        tensors["features"] = features.to(feature_dtype).contiguous()
+        tensors["features"], tensors["feature_scales"] = quantize_fp8(torch.cat([s["features"] for s in samples]), taps)
+    elif feature_dtype is not None:
+        tensors["features"] = torch.cat([s["features"] for s in samples]).to(feature_dtype).contiguous()
     if "targets" in samples[0]:  # teacher.mode prefill / mixed: the label of each token (data/teacher.py)
         tensors["targets"] = torch.cat([torch.as_tensor(s["targets"], dtype=torch.int32) for s in samples])
     if "topk_ids" in samples[0]:
@@ -153,6 +154,11 @@ class TeacherDataset(torch.utils.data.Dataset):
     @property
     def layer_ids(self) -> list[int]:
         return self.manifest["layer_ids"]
+
+    @property
+    def has_features(self) -> bool:
+        """False for a tokens-only dataset (teacher.feature_dtype=none): its readers capture the features."""
+        return self.manifest.get("feature_dtype") != "none"
 
     @property
     def hidden_size(self) -> int:

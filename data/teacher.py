@@ -198,6 +198,8 @@ def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg:
         final = s.pop("final_hidden", None)
         if final is not None and k:
             s.update(topk_logprobs(target.model, final, k))
+    if cfg.teacher.feature_dtype == "none" and not k:  # tokens only: nothing to capture
+        return
     todo = [s for s in samples if "features" not in s]
     outs = capture_batched(target.model, [s["input_ids"] for s in todo], layer_ids, pad_id=target.tokenizer.pad_token_id,
                            max_tokens=cfg.teacher.capture_batch_tokens, topk=k)

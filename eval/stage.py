@@ -135,7 +135,7 @@ def teacher_heldout_items(cfg: DictConfig, data_dir: Path, drafter_dir: Path, ta
         return None, f"teacher data of target {data.manifest['target']['ref']}, not {target.ref}"
     _, held = split_heldout(data.ids, cfg.trainer.heldout_samples)
     items = [data[i] for i in held]
-    if data.layer_ids != layer_ids:  # stored features tap other layers: capture the drafter's now
+    if data.layer_ids != layer_ids or not data.has_features:  # other taps stored, or none: capture the drafter's now
         recapture(target.model, items, layer_ids, pad_id=target.tokenizer.pad_token_id)
     return items, f"{len(items)} held-out sequences of {data_dir}"
 

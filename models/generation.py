@@ -306,6 +306,25 @@ def capture_batched(model, sequences: list[list[int]], layer_ids: list[int], *, 
     return results
 
 
+class CapturedFeatures(torch.utils.data.Dataset):
+    """A tokens-only teacher dataset (teacher.feature_dtype=none) read with its features captured from the target
+    now, one sequence per read: what a stage on a frozen drafter reads such a dataset through."""
+
+    def __init__(self, data, model, pad_id: int):
+        self.data, self.model, self.pad_id = data, model, pad_id
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        return recapture(self.model, [self.data[i]], self.data.layer_ids, pad_id=self.pad_id)[0]
+
+    def __getattr__(self, name: str):  # ids, manifest, layer_ids, ...: the dataset's own
+        if name == "data":
+            raise AttributeError(name)
+        return getattr(self.data, name)
+
+
 def recapture(model, items: list[dict], layer_ids: list[int], *, pad_id: int, final: bool = False,
               max_tokens: int = 8192) -> list[dict]:
     """Replace the stored features of teacher-style items (input_ids (T,)) with features captured now, on the CPU:

@@ -1,7 +1,7 @@
 """Benchmark: what building a draft tree costs per round, DDTree against the Weaver tree, at each node budget.
 
     python scripts/bench_tree_build.py experiment=smollm2_best hydra.run.dir=runs/smollm2_best \
-        [--blocks 48] [--budgets 16 32 64 128] [--threads 2] [--repeats 3]
+        [--blocks 48] [--budgets 16 32 64 128] [--threads 2] [--repeats 3] [--weaver-dir DIR]
 
 Loads the run's exported drafter, its trained Weaver (train/weaver/export) and the target; takes the first --blocks
 anchor blocks of the run's held-out teacher sequences (the drafter's block states and the target's final hidden state
@@ -37,12 +37,15 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=48)
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--weaver-dir", type=Path,
+                    help="an exported Weaver folder (default: the run's train/weaver/export); to time the same "
+                         "Weaver under another checkout of the code")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = compose_run(args.overrides)
     run_dir = Path(cfg.hydra.run.dir)
     train_dir = run_dir / cfg.trainer.out_dir
-    weaver_dir = stage_dir(cfg, "train/weaver", run_dir) / "export"
+    weaver_dir = args.weaver_dir or stage_dir(cfg, "train/weaver", run_dir) / "export"
     if not (weaver_dir / "model.safetensors").is_file():
         raise SystemExit(f"error: no trained Weaver at {weaver_dir}: run `dflash-train <same overrides> "
                          "trainer.component=weaver` first")

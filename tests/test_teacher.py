@@ -517,3 +517,36 @@ def test_fp8_features_take_half_the_disk_and_read_back_as_the_bf16_ones(tiny_tea
     done = run_stages(make_config(f"trainer.data_dir={out}", "trainer.steps=2", "logger=none"), tmp_path / "run",
                       ["train"])
     assert (done["train"] / "export" / "model.safetensors").is_file()
+
+
+def test_tokens_only_teacher_trains_exactly_as_online_training_on_stored_features(tiny_teacher, tmp_path):
+    """teacher.feature_dtype=none: the same samples with no features on disk (a fraction of the bytes); training on
+    it captures them from the target in the loop, the same weights as trainer.online=true on the stored dataset; a
+    component on a frozen drafter and the eval's held-out set read it through the target too."""
+    from dflash_pipeline.conf.entrypoints import run_stages
+
+    out = run_teacher(make_config("teacher.feature_dtype=none"), tmp_path / "tokens")
+    tokens, full = TeacherDataset(out), TeacherDataset(tiny_teacher)
+    assert not tokens.has_features and full.has_features and tokens.ids == full.ids
+    for k in range(len(tokens.shards)):
+        assert "features" not in load_file(str(out / tokens.shards[k]["file"]))
+        assert tokens.shards[k]["bytes"] * 4 < full.shards[k]["bytes"]
+    for i in range(len(tokens)):
+        assert torch.equal(tokens[i]["input_ids"], full[i]["input_ids"]) and "features" not in tokens[i]
+
+    common = ("trainer.steps=2", "trainer.eval_every=2", "logger=none")
+    a = run_stages(make_config(f"trainer.data_dir={out}", *common), tmp_path / "a", ["train"])["train"]
+    b = run_stages(make_config(f"trainer.data_dir={tiny_teacher}", "trainer.online=true", *common), tmp_path / "b",
+                   ["train"])["train"]
+    wa, wb = (load_file(str(d / "export" / "model.safetensors")) for d in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(DatasetError, match="teacher.feature_dtype=none"):
+        from dflash_pipeline.data.peers import peer_samples
+
+        peer_samples(tokens, list(range(len(tokens))))
+
+    done = run_stages(make_config(f"trainer.data_dir={out}", *common, "selector.steps=1", "eval.methods=[chain]",
+                                  "eval.num_prompts=1", "pipeline.components=[selector]"), tmp_path / "a",
+                      ["components", "eval"])
+    results = json.loads((done["eval"] / "eval_results.json").read_text())
+    assert results["offline"]["teacher_heldout"]["tau_offline"] >= 1.0

@@ -141,6 +141,10 @@ class DrafterComponent:
     def __init__(self, cfg: DictConfig, inputs: StageInputs, device: torch.device):
         self.cfg, t = cfg, cfg.trainer
         self.data, self.target = teacher_and_target(cfg, inputs.teacher)
+        self.online = t.online or not self.data.has_features
+        if not t.online and self.online:
+            log.info("teacher data at %s stores no features (teacher.feature_dtype=none): capturing them from the "
+                     "target in the training loop, as trainer.online=true", inputs.teacher)
         if t.loss == "kl" and not self.data.manifest.get("topk_logprobs"):
             raise DatasetError("trainer.loss=kl needs teacher top-k log-probs: rerun the teacher with "
                                "teacher.topk_logprobs=20 (or another k > 0)")
@@ -194,9 +198,10 @@ class DrafterComponent:
         return step_batch(self.train_idx, step, self.cfg.trainer.batch_sequences, self.cfg.seed)
 
     def items(self, indices: list[int]) -> list[dict]:
-        """Teacher samples; with trainer.online the features come from the target now instead of from disk."""
+        """Teacher samples; online (trainer.online, or a tokens-only dataset) the features come from the target now
+        instead of from disk."""
         items = [self.data[i] for i in indices]
-        if self.cfg.trainer.online:
+        if self.online:
             recapture(self.target.model, items, self.data.layer_ids, pad_id=self.target.tokenizer.pad_token_id)
         return items
 

@@ -20,6 +20,7 @@ from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.protocol import ChainMethod, drafter_blocks
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.models.generation import CapturedFeatures
 from dflash_pipeline.train.component import StageInputs, loop_settings
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import decay_weights, default_gamma, dpace_weights
@@ -51,6 +52,8 @@ class FrozenDrafterComponent:
         self.drafter_dir = inputs.drafter
         self.target.model.to(device)
         model = self.target.model
+        if not self.data.has_features:  # a tokens-only dataset: read through the target
+            self.data = CapturedFeatures(self.data, model, self.target.tokenizer.pad_token_id)
         self.drafter = DFlashDrafter.from_pretrained(str(inputs.drafter), model.get_input_embeddings(),
                                                      model.get_output_embeddings()).to(device).eval()
         self.drafter.requires_grad_(False)
