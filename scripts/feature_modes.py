@@ -1,0 +1,132 @@
+"""Benchmark: what the way features reach training costs and buys, side by side on one recipe: stored bf16 features,
+stored fp8 features (teacher.feature_dtype=float8_e4m3) and none stored (teacher.feature_dtype=none: the target
+captures them in the training loop, as trainer.online=true).
+
+    python scripts/feature_modes.py --out runs/feature_modes [--modes bfloat16 float8_e4m3 none] \\
+        [--memory-steps 100] [-- extra Hydra overrides]
+
+Each mode is one `dflash-pipeline` run of the recipe (default: the teacher-recipe grid's 0.47 CPU-hour row, 272
+regenerated + 672 prefilled prompts, 800 steps, evaluated teacher-forced on 40 MT-Bench and 40 HumanEval prompts
+and online on 2 of each) in <out>/<mode>, resumable (a finished stage skips itself). Reported per mode: disk
+per token and in all, teacher minutes (the seconds the target spent on the shards), training wall minutes (the
+pipeline log's train stage, held-out evaluations included) and seconds per step, held-out tau and tau on MT-Bench
+and HumanEval with their intervals. Then training alone for --memory-steps steps on the stored-bf16 and on the
+tokens-only dataset, one process each after the other, for peak memory (the process's maximum resident set) and
+seconds per step without the pipeline's other stages. Writes <out>/feature_modes.md and feature_modes.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from dflash_pipeline.data.shards import TeacherDataset
+
+RECIPE = ["experiment=smollm2_quick", "data.num_samples=272", "teacher.prefill_samples=672", "trainer.steps=800",
+          "eval.num_prompts=40", "eval.online_prompts=2", "eval.max_new_tokens=64", "eval.cost_repeats=2",
+          "eval.baseline_dtypes=[]", "eval.num_threads=2"]
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def run(cmd: list[str]) -> dict:
+    """Run a command to the end; its wall seconds and its peak resident memory (os.wait4: this child's own)."""
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"error: {cmd[0]} failed (exit {os.waitstatus_to_exitcode(status)}); its log is in its run folder")
+    return {"seconds": time.perf_counter() - start, "max_rss_gib": usage.ru_maxrss / 2**20}
+
+
+def stamp(line: str) -> datetime:
+    return datetime.strptime(LOG_TIME.match(line)[1], "%Y-%m-%d %H:%M:%S,%f")
+
+
+def train_seconds(log: Path) -> float:
+    """Wall seconds of the train stage in a run's log: from its first line to the export."""
+    lines = [l for l in log.read_text().splitlines() if LOG_TIME.match(l)]
+    start = next(l for l in lines if "] - train: " in l)
+    end = next(l for l in lines if "exported the trained drafter" in l)
+    return (stamp(end) - stamp(start)).total_seconds()
+
+
+def ci(x: list | None) -> str:
+    return "[{:.2f}, {:.2f}]".format(*x) if x else ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/feature_modes")
+    ap.add_argument("--modes", nargs="+", default=["bfloat16", "float8_e4m3", "none"])
+    ap.add_argument("--memory-steps", type=int, default=100)
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    args = ap.parse_args()
+    out = Path(args.out)
+    recipe = RECIPE + args.overrides
+    steps = int(next(o for o in reversed(recipe) if o.startswith("trainer.steps=")).partition("=")[2])
+
+    rows = []
+    for mode in args.modes:
+        folder = out / mode
+        if not (folder / "eval" / "eval_results.json").is_file():
+            run(["dflash-pipeline", *recipe, f"teacher.feature_dtype={mode}", f"hydra.run.dir={folder}"])
+        data = TeacherDataset(folder / "teacher", verify=False)
+        disk = sum(s["bytes"] for s in data.shards)
+        res = json.loads((folder / "eval" / "eval_results.json").read_text())
+        held = res["offline"]["teacher_heldout"]
+        train_s = train_seconds(folder / "dflash-pipeline.log")
+        row = {"mode": mode, "disk_bytes": disk, "tokens": data.num_tokens, "bytes_per_token": disk / data.num_tokens,
+               "teacher_s": data.teacher_seconds, "train_s": train_s, "s_per_step": train_s / steps,
+               "heldout": [held["tau_offline"], held["tau_offline_ci95"]]}
+        for ds in ("mtbench", "humaneval"):
+            off, on = res["offline"][ds], res["methods"]["chain"][ds]
+            row[ds] = {"tau_offline": off["tau_offline"], "ci95": off["tau_offline_ci95"],
+                       "tau_online": on["tau_online"], "exact": on["exact"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    memory = {}
+    for name, mode in (("stored bf16", "bfloat16"), ("online (tokens only)", "none")):
+        if mode not in args.modes:
+            continue
+        folder = out / f"memory_{mode}"
+        record = folder / "usage.json"
+        if not record.is_file():
+            usage = run(["dflash-train", *recipe, f"trainer.data_dir={(out / mode / 'teacher').resolve()}",
+                         f"trainer.steps={args.memory_steps}", f"trainer.eval_every={args.memory_steps}",
+                         f"trainer.save_every={args.memory_steps}", "logger=none", f"hydra.run.dir={folder}"])
+            usage["train_s"] = train_seconds(folder / "dflash-train.log")
+            record.write_text(json.dumps(usage))
+        memory[name] = json.loads(record.read_text())
+
+    (out / "feature_modes.json").write_text(json.dumps({"rows": rows, "memory": memory}, indent=2))
+    lines = [f"{os.cpu_count()} cores; recipe: {' '.join(recipe)}", "",
+             "| features | bytes / token | dataset on disk | teacher min | train min (s / step) | held-out tau | "
+             "MT-Bench tau off [95% CI] / online | HumanEval tau off [95% CI] / online | exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r["heldout"]
+        lines.append(f"| {r['mode']} | {r['bytes_per_token']:,.0f} | {r['disk_bytes'] / 2**20:,.1f} MiB | "
+                     f"{r['teacher_s'] / 60:.1f} | {r['train_s'] / 60:.1f} ({r['s_per_step']:.2f}) | "
+                     f"{h[0]:.3f} {ci(h[1])} | "
+                     + " | ".join(f"{r[d]['tau_offline']:.3f} {ci(r[d]['ci95'])} / {r[d]['tau_online']:.2f}"
+                                  for d in ("mtbench", "humaneval"))
+                     + f" | {'yes' if all(r[d]['exact'] for d in ('mtbench', 'humaneval')) else 'NO'} |")
+    if memory:
+        lines += ["", f"Training alone, {args.memory_steps} steps, one process:", "",
+                  "| features | wall s / step (train stage) | peak resident memory |", "|---|---|---|"]
+        for name, u in memory.items():
+            lines.append(f"| {name} | {u['train_s'] / args.memory_steps:.2f} | {u['max_rss_gib']:.2f} GiB |")
+    (out / "feature_modes.md").write_text("\n".join(lines) + "\n")
+    print((out / "feature_modes.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
