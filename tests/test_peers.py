@@ -46,6 +46,7 @@ def test_peer_loss_mask_gives_the_peers_exactly_our_anchors(samples):
 def test_prefilled_samples_are_refused():
     class Prefilled:
         ids = ["prefill:a", "b"]
+        has_features = True
 
     with pytest.raises(DatasetError, match="prefilled samples"):
         peer_samples(Prefilled(), [0, 1])
