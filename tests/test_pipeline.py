@@ -54,10 +54,11 @@ def test_smollm2_best_is_the_measured_recipe_as_one_command():
 
 
 def test_decode_settings_rerun_the_eval_and_not_the_training():
-    """A tree's shape (weaver.children, weaver.root_children) is an eval setting: the Weaver's training stage keeps
-    its hash (no retraining), the eval's changes (it re-runs); a training setting changes both."""
+    """A tree's shape (weaver.children, weaver.root_children, weaver.expansions) is an eval setting: the Weaver's
+    training stage keeps its hash (no retraining), the eval's changes (it re-runs); a training setting changes both."""
     base = make_config("experiment=tiny")
-    wider = make_config("experiment=tiny", "weaver.root_children=8", "weaver.children=3")
+    wider = make_config("experiment=tiny", "weaver.root_children=8", "weaver.children=3",
+                         "weaver.expansions=4")
     retrained = make_config("experiment=tiny", "weaver.rank=8")
     assert config_hash(wider, "train/weaver") == config_hash(base, "train/weaver")
     assert config_hash(wider, "eval") != config_hash(base, "eval")

@@ -357,7 +357,8 @@ def test_tree_methods_decode_exactly_in_the_speculative_loop(case):
     ar, _ = autoregressive(target, prompt, 40)
     weaver = Weaver(drafter.config.hidden_size, rank=16, num_layers=1, num_heads=2, mlp_dim=32, top_k=16)
     torch.nn.init.normal_(weaver.query.weight)
-    for method in (DDTreeMethod(drafter, 6), WeaverTreeMethod(drafter, weaver.eval(), 6, children=3)):
+    for method in (DDTreeMethod(drafter, 6), WeaverTreeMethod(drafter, weaver.eval(), 6, children=3),
+                   WeaverTreeMethod(drafter, weaver, 6, children=3, expansions=2)):
         res = speculative(target, method, prompt, 20)
         assert res.tokens == ar[:20], method.name
         assert set(res.verified) == {6} and max(res.accepted) <= 3
@@ -369,3 +370,24 @@ def test_tree_methods_decode_exactly_in_the_speculative_loop(case):
     final = out.hidden_states[-1][0]
     for r, state in enumerate(oracle.verifier_states):  # round r's anchor is output token 4r, chosen at that row - 1
         torch.testing.assert_close(state, final[len(prompt) + 4 * r - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_weaver_expansions_bound_the_weaver_calls_of_a_tree(case):
+    """weaver.expansions=n grows the whole budget in at most n Weaver calls (the root's included), each expanding
+    ceil(budget / n) frontier nodes: fewer calls, the same number of nodes."""
+    from dflash_pipeline.models.weaver import Weaver
+    from dflash_pipeline.train.weaver import weaver_tree
+
+    target, _, layer_ids = case
+    drafter = untrained_drafter(target, layer_ids)
+    weaver = Weaver(drafter.config.hidden_size, rank=16, num_layers=1, num_heads=2, mlp_dim=32, top_k=16).eval()
+    g = torch.Generator().manual_seed(0)
+    hidden, verifier = torch.randn(4, drafter.config.hidden_size, generator=g), torch.randn(drafter.config.hidden_size,
+                                                                                             generator=g)
+    counts = {}
+    for n in (16, 4, 2):
+        calls: list[int] = []
+        tree = weaver_tree(weaver, drafter, verifier, hidden, 7, 32, children=3, calls=calls, expansions=n)
+        assert len(tree) == 32 and calls[0] == 1 and len(calls) <= n
+        counts[n] = len(calls)
+    assert counts[16] > counts[4] > counts[2]

@@ -49,6 +49,9 @@ class WeaverConfig(FrozenComponentConfig):
     # the eval (DECODE_ONLY below). The root's depth-1 candidates: None widens it with the node budget (root_breadth).
     children: int = ranged(8, ge=1)  # children an expanded node publishes to the frontier
     root_children: Optional[int] = ranged(None, ge=1)
+    # Weaver calls a tree is built in: each expands ceil(budget / expansions) frontier nodes at once. Fewer, wider
+    # calls cost less per round but expand nodes before better ones are known (docs/results/best-cpu-recipe.md).
+    expansions: int = ranged(16, ge=1)
     kl_weight: float = ranged(0.0, ge=0.0)  # x KL(target restricted to the pool || Weaver) (needs topk_logprobs)
     tv_weight: float = ranged(0.0, ge=0.0)  # x total variation against the same
     eval_budget: int = ranged(32, ge=1)  # node budget of the held-out tree acceptance reported while training
@@ -141,7 +144,8 @@ class WeaverComponent(FrozenDrafterComponent):
             hits.append((b["cand_ids"] == b["labels"][..., None]).any(-1)[b["valid"]])
         budget = self.own.eval_budget
         trees = tree_offline_metrics(self.drafter, items, self.block_size, {
-            "weaver_tree": WeaverTreeMethod(self.drafter, weaver, budget, self.own.children, self.own.root_children),
+            "weaver_tree": WeaverTreeMethod(self.drafter, weaver, budget, self.own.children, self.own.root_children,
+                                           self.own.expansions),
             "ddtree": DDTreeMethod(self.drafter, budget)}, max_blocks=self.own.eval_blocks)
         weaver.train(was_training)
         valid = torch.cat(valids)
@@ -166,7 +170,8 @@ def load_weaver(folder: Path, device: torch.device, dtype: torch.dtype = torch.f
 
 @torch.no_grad()
 def weaver_tree(weaver: Weaver, drafter, verifier_hidden: torch.Tensor, hidden: torch.Tensor, anchor: int,
-                budget: int, children: int = 8, calls: list | None = None, root_children: int | None = None):
+                budget: int, children: int = 8, calls: list | None = None, root_children: int | None = None,
+                expansions: int = 16):
     """The Weaver tree of one block: hidden (B, H) the drafter's block states (anchor first). `calls`, when given,
     receives the number of nodes of each Weaver call."""
     logits = drafter.logits(hidden[1:]).float()
@@ -176,7 +181,7 @@ def weaver_tree(weaver: Weaver, drafter, verifier_hidden: torch.Tensor, hidden: 
     root = root_breadth(budget, children, root_children)
     k = max(children, root)
     tree, sizes = build_tree(lambda nodes, grown: rnd.expand(nodes, *grown.fields(nodes, anchor), k), budget,
-                             hidden.shape[0] - 1, children, math.ceil(budget / 16), root)
+                             hidden.shape[0] - 1, children, math.ceil(budget / expansions), root)
     if calls is not None:
         calls.extend(sizes)
     return tree
@@ -195,25 +200,27 @@ def root_breadth(budget: int, children: int, root_children: int | None = None) -
 class WeaverTreeMethod(TreeMethod):
     """Trees grown by the Weaver from the drafter's pools (docs/methods.md, 'Draft trees')."""
 
-    def __init__(self, drafter, weaver: Weaver, budget: int, children: int = 8, root_children: int | None = None):
+    def __init__(self, drafter, weaver: Weaver, budget: int, children: int = 8, root_children: int | None = None,
+                 expansions: int = 16):
         super().__init__(drafter, budget)
-        self.weaver, self.children, self.root_children = weaver, children, root_children
+        self.weaver, self.children, self.root_children, self.expansions = weaver, children, root_children, expansions
         self.name = f"weaver_tree_{budget}"
 
     def tree(self, hidden, verifier_hidden, anchor):
         return weaver_tree(self.weaver, self.drafter, verifier_hidden, hidden, anchor, self.budget, self.children,
-                           root_children=self.root_children)
+                           root_children=self.root_children, expansions=self.expansions)
 
 
 # The catalogue entry (conf/catalogue.py).
 CONFIG = WeaverConfig
 SECTIONS = ("weaver",)
-DECODE_ONLY = ("children", "root_children")  # the trees' shape at eval: the trained weights do not depend on them
+# The trees' shape at eval: the trained weights do not depend on them.
+DECODE_ONLY = ("children", "root_children", "expansions")
 INPUTS = ("teacher", "drafter")
 COMPONENT = WeaverComponent
 METHODS = {
     "weaver_tree": EvalMethod(lambda m: WeaverTreeMethod(
         m.drafter, load_weaver(m.exports["weaver"], m.drafter.norm.weight.device), m.budget, m.config.children,
-        m.config.root_children),
+        m.config.root_children, m.config.expansions),
         tree=True),
 }
