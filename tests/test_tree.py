@@ -358,7 +358,7 @@ def test_tree_methods_decode_exactly_in_the_speculative_loop(case):
     weaver = Weaver(drafter.config.hidden_size, rank=16, num_layers=1, num_heads=2, mlp_dim=32, top_k=16)
     torch.nn.init.normal_(weaver.query.weight)
     for method in (DDTreeMethod(drafter, 6), WeaverTreeMethod(drafter, weaver.eval(), 6, children=3),
-                   WeaverTreeMethod(drafter, weaver, 6, children=3, expansions=2)):
+                   WeaverTreeMethod(drafter, weaver, 6, children=3, expansions=16)):
         res = speculative(target, method, prompt, 20)
         assert res.tokens == ar[:20], method.name
         assert set(res.verified) == {6} and max(res.accepted) <= 3
