@@ -136,5 +136,6 @@ def tree_tau(drafter, items: list[dict], block_size: int, method, max_blocks: in
         out = tree_offline_metrics(drafter, items, block_size, {"m": method}, max_blocks=max_blocks)
     return float(out["m"]["tau_offline"])
 
+
 if __name__ == "__main__":
     main()
