@@ -132,7 +132,7 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
     """
     tok, t = target.tokenizer, cfg.teacher
     eos_ids = target.eos_ids
-    max_len = target.model.config.max_position_embeddings
+    max_len = target.config.max_position_embeddings
     samples = []
     for c in convs:
         samples.append({"id": c["id"], "segments": chat_segments(tok, c["messages"], t.max_turns),
@@ -329,7 +329,7 @@ def teacher_engine(cfg: DictConfig, target: Target, out: Path) -> contextlib.Abs
         return contextlib.nullcontext()
     log.info("teacher: replies from vLLM (engine log %s)", out / "vllm.log")
     return VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), target.dtype,
-                      target.model.config.max_position_embeddings, threads=torch.get_num_threads(),
+                      target.config.max_position_embeddings, threads=torch.get_num_threads(),
                       max_num_seqs=cfg.teacher.batch_size, log_file=out / "vllm.log")
 
 

@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from dflash_pipeline.eval.protocol import CONTEXT, ChainMethod, RoundState, crop_cache, device_of, probs, sample, \
-    sync, target_forward
-from dflash_pipeline.eval.tree import verify_tree
+from dflash_pipeline.eval.protocol import CONTEXT, ChainMethod, RoundState, device_of, probs, sample, sync, \
+    target_forward
+from dflash_pipeline.eval.tree import check_target, verify_tree
+from dflash_pipeline.models import cache as target_cache
 from dflash_pipeline.models.drafter import DFlashDrafter
 
 
@@ -46,7 +46,7 @@ def autoregressive(target, prompt_ids: list[int], max_new_tokens: int, temperatu
         return tokens, {"prefill_s": 0.0, "decode_s": 0.0, "total_s": 0.0, "target_forwards": 0}
     sync(device)
     t0 = time.perf_counter()
-    cache = DynamicCache()
+    cache = target_cache.new_cache(model)
     ids = torch.tensor([prompt_ids], device=device)
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     forwards = 1
@@ -115,11 +115,13 @@ def _accept_sampling(drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor
 
 @torch.no_grad()
 def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, block_size: int | None = None,
-                temperature: float = 0.0, generator: torch.Generator | None = None) -> SpecResult:
+                temperature: float = 0.0, generator: torch.Generator | None = None,
+                rollback: str = "record") -> SpecResult:
     """Speculative decoding of one prompt. drafter: a DFlashDrafter (run as the "chain" method) or a method object.
 
     Greedy output equals `autoregressive`'s token for token; with temperature > 0 it is distributed as the
-    target's own samples. A round verifies the anchor and the drafts the method proposed (at most B-1). Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
+    target's own samples. rollback: how a recurrent target's state goes back after a rejection (models/cache.py
+    Rollback; attention targets crop). A round verifies the anchor and the drafts the method proposed (at most B-1). Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
     exactly max_new_tokens.
     """
     method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
@@ -128,6 +130,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         raise ValueError(f"block size {B} must be in 2 .. {method.max_block_size} (the trained block size)")
     method.check(B, temperature)  # e.g. a greedy-only method at temperature > 0: refused, never run differently
     model, eos = target.model, target.eos_ids
+    check_target(method, model)
     device = device_of(model)
     res = SpecResult(tokens=[])
     if max_new_tokens <= 0:
@@ -135,12 +138,14 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     sync(device)
     t_start = time.perf_counter()
     method.start()
-    cache = DynamicCache()
+    cache = target_cache.new_cache(model)
+    rollback = target_cache.Rollback(model, rollback)
     L = len(prompt_ids)
     logits, feats, final = target_forward(model, torch.tensor([prompt_ids], device=device),
                                           torch.arange(L, device=device)[None], cache, method.layer_ids,
                                           last_only=True)
     res.target_forwards = 1
+    rollback.start(cache, B)
     anchor = int(logits[-1].argmax()) if temperature <= 0 else sample(probs(logits[-1], temperature), generator)
     output = [anchor]
     new_features, new_positions, verifier_hidden = feats[None], torch.arange(L, device=device), final[-1]
@@ -162,12 +167,14 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         else:
             ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, 1 + drafts)
             positions = torch.arange(L, L + ids.shape[1], device=device)[None]
+            rollback.before(cache)
             logits, feats, final = target_forward(model, ids, positions, cache, method.layer_ids)  # (1+d, ...)
             if temperature <= 0:
                 n, next_anchor = _accept_greedy(drafts, logits)
             else:
                 n, next_anchor = _accept_sampling(drafts, prop.q.to(device), logits, temperature, generator)
-            crop_cache(cache, L + n + 1)  # keep anchor + accepted drafts
+            # keep anchor + accepted drafts (a recurrent target's state too: eval.rollback)
+            rollback.after(cache, L + n + 1, ids[:, : n + 1], positions[:, : n + 1])
             accepted, verifier_hidden = drafts[:n].tolist(), final[n]
         res.target_forwards += 1
         sync(device)
@@ -190,6 +197,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         new_features, new_positions = feats[None, : n + 1], torch.arange(L, L + n + 1, device=device)
         L, anchor = L + n + 1, next_anchor
     res.tokens = output
+    res.target_forwards += rollback.replays
     sync(device)
     res.total_s = time.perf_counter() - t_start
     return res

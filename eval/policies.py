@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from dflash_pipeline.eval.protocol import NOT_VERIFIED, ChainMethod, Proposal, RoundState, crop_cache, sync, \
+from dflash_pipeline.eval.protocol import NOT_VERIFIED, ChainMethod, Proposal, RoundState, sync, \
     target_forward
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.eval.tree import DraftTree, verify_tree
+from dflash_pipeline.models import cache as target_cache
 from dflash_pipeline.models.selector import PairSelector
 
 MIN_TEMPERATURE_FRACTION = 0.02  # T_i never drops below 2% of T (a huge margin would otherwise divide by ~0)
@@ -72,22 +72,25 @@ class EvalContext:
 
 @torch.no_grad()
 def measure_costs(target, drafter, context_ids: list[int], block_size: int, repeats: int = 9,
-                  tree_sizes: tuple[int, ...] = ()) -> dict:
+                  tree_sizes: tuple[int, ...] = (), rollback: str = "record") -> dict:
     """The target's verify-cost curve c(n) = time(verify n tokens) / time(1 token), n = 1..B, after a prefill of
     `context_ids`, the drafter's block forward in the same unit, and for each N of tree_sizes the verification of
     an N-node tree (eval/tree.py verify_tree: ancestor mask, greedy walk, cache compaction). Repeats interleave every
     size (one warm-up pass first); each ratio is the median over passes of a time over the same pass's 1-token
     step, so a spell of a slower machine cancels out. Verification is timed as the eval loop runs it (hidden states out,
-    cache cropped after); ar_step_cost is a plain decoding step as autoregressive() runs it (no hidden states) in
+    cache rolled back after: a crop, or a recurrent target's rollback); ar_step_cost is a plain decoding step as autoregressive() runs it (no hidden states) in
     the same unit, the baseline a speedup is measured against."""
 
     model = target.model
     device = next(model.parameters()).device
     layer_ids = list(drafter.config.target_layer_ids)
-    cache = DynamicCache()
+    cache = target_cache.new_cache(model)
     L = len(context_ids)
     _, feats, _ = target_forward(model, torch.tensor([context_ids], device=device), torch.arange(L, device=device)[None],
                               cache, layer_ids, last_only=True)
+    rollback = target_cache.Rollback(model, rollback)
+    rollback.start(cache, block_size)
+    at_context = target_cache.snapshot(cache)
     chain = ChainMethod(drafter)
     chain.start()
     anchor = context_ids[-1]
@@ -95,7 +98,7 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
                   block_size)  # the drafter's context prefill, not timed
     times: dict[int, list[float]] = {n: [] for n in range(1, block_size + 1)}
     trees = {}
-    for N in tree_sizes:  # 8 children per node, breadth first: the shape of a wide draft tree
+    for N in tree_sizes if not target_cache.is_recurrent(model) else ():  # no trees on recurrent targets  # 8 children per node, breadth first: the shape of a wide draft tree
         parents = torch.arange(N) // 8 - 1
         depths = torch.ones(N, dtype=torch.long)
         for i in range(N):
@@ -107,16 +110,21 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     ids = torch.full((1, block_size), anchor, device=device)  # any tokens: only the time is kept
 
     def timed(into: list[float], r: int, run, crop: bool = True) -> None:
-        """Time run() (the target's cache cropped back to the context inside the time, as the eval loop does);
-        pass 0 is the warm-up, not kept."""
+        """Time run() and, as the eval loop does after a round that accepts no draft, the rollback to the context
+        and the anchor (a crop; a recurrent target's rollback: models/cache.py); then, untimed, back to the context.
+        Pass 0 is the warm-up, not kept."""
         sync(device)
         t0 = time.perf_counter()
-        run()
         if crop:
-            crop_cache(cache, L)
+            rollback.before(cache)
+        run()
+        if crop and target_cache.seq_length(cache) > L + 1:
+            rollback.after(cache, L + 1, ids[:, :1], torch.tensor([[L]], device=device))
         sync(device)
         if r:
             into.append(time.perf_counter() - t0)
+        if crop:
+            target_cache.restore(cache, at_context)
 
     for r in range(repeats + 1):
         # a plain decoding step as autoregressive() runs it: no hidden states out

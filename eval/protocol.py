@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.models.target import tapped
 
 
 NOT_VERIFIED = -1  # a path's drafts from here on are not verified this round (offline: they count as rejected)
@@ -34,13 +35,6 @@ def device_of(model) -> torch.device:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` tokens of the target's KV cache. (transformers 5: crop(-n) REMOVES n tokens.)"""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -68,7 +62,7 @@ def target_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: Dyn
     extra = {} if attention_mask is None else {"attention_mask": attention_mask}
     out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True,
                 logits_to_keep=1 if last_only else 0, **extra)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (1, T, n*Ht)
+    feats = tapped(out.hidden_states, layer_ids)  # (1, T, n*Ht)
     return TargetStep(out.logits[0], feats[0], out.hidden_states[-1][0])
 
 

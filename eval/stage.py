@@ -40,7 +40,7 @@ from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, NEAR_TIE, WRONG, E
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, offline_metrics
 from dflash_pipeline.eval.policies import EvalContext, measure_costs
 from dflash_pipeline.eval.references import ReferenceCache, turn_prompts
-from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
+from dflash_pipeline.eval.tree import TreeMethod, check_target, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target, load_target, target_folder, torch_dtype
@@ -539,9 +539,10 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
     for name, method in methods.items():
         try:
             method.check(B, e.temperature)
+            check_target(method, target.model)
         except ValueError as err:
             raise EvalError(f"eval method {name}: {err}") from err
-    room = target.model.config.max_position_embeddings - e.max_new_tokens - B
+    room = target.config.max_position_embeddings - e.max_new_tokens - B
     ks = sorted(set(e.recall_k))
     references = ReferenceCache(Path(cfg.cache_dir) / "references", target)
     prompt_sets = {}
@@ -664,7 +665,7 @@ def serve(cfg: DictConfig, target: Target, drafter: DFlashDrafter, drafter_dir: 
              log_file)
     served_contract, own_contract = served_eval.export_contract(drafter_dir), served_eval.drafter_contract(drafter)
     engine = served_eval.ServedEval(cfg.cache_dir, folder, drafter_dir, target.dtype, B,
-                                    target.model.config.max_position_embeddings, threads, log_file)
+                                    target.config.max_position_embeddings, threads, log_file)
     try:
         for label, prompts in prompt_sets.items():
             timed = prompts[: e.online_prompts]

@@ -24,6 +24,8 @@ from transformers import DynamicCache
 
 from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
 from dflash_pipeline.eval.protocol import ChainMethod, Proposal, RoundState, drafter_blocks, sync
+from dflash_pipeline.models import cache as target_cache
+from dflash_pipeline.models.target import tapped
 
 DENSE_MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that honour a custom 4D float mask
 
@@ -73,30 +75,31 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def tree_attention_mask(parents: torch.Tensor, L: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(1, 1, n+1, L+n+1) additive float mask: every cached position, then the ancestors (and self) of each row."""
+def tree_attention_mask(parents: torch.Tensor, L: int, dtype: torch.dtype, device, window: int | None = None,
+                        depths: torch.Tensor | None = None) -> torch.Tensor:
+    """(1, 1, n+1, L+n+1) additive float mask: every cached position, then the ancestors (and self) of each row.
+    With a sliding `window` (and the nodes' depths), a row at position p sees only keys at positions > p - window,
+    as decoding applies the window."""
     allowed = torch.cat([torch.ones(len(parents) + 1, L, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+    if window is not None:
+        q_pos = L + torch.cat([torch.zeros(1, dtype=torch.long), depths.cpu()])
+        k_pos = torch.cat([torch.arange(L), q_pos])
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.to(device)[None, None]
 
 
-def compact_cache(cache: DynamicCache, L: int, rows: torch.Tensor) -> None:
-    """Keep the first L tokens of every layer plus the new tokens at `rows` (indices relative to L, ascending).
-
-    The kept rows are gathered (index_select) and written right after the prefix, then the tail is cut off: the KV
-    of the accepted path is reused as computed under the tree mask, which equals a chain forward over that path.
-    """
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False):
-            continue
-        if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
-            raise ValueError(f"cannot compact a {type(layer).__name__}: only full-attention DynamicLayers")
-        idx = rows.to(layer.keys.device) + L
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            kept = t.index_select(-2, idx)
-            t[..., L: L + len(idx), :] = kept
-            setattr(layer, name, t[..., : L + len(idx), :])
+def tree_masks(model, tree: "DraftTree", L: int, device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The tree mask a target's forward takes: one tensor, or for targets with sliding-window layers one per layer
+    type (transformers' models take {layer type: mask}), the sliding one with the window applied."""
+    config = model.config.get_text_config(decoder=True)
+    full = tree_attention_mask(tree.parents.cpu(), L, model.dtype, device)
+    types = set(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" not in types or not window:
+        return full
+    return {"full_attention": full, "sliding_attention": tree_attention_mask(
+        tree.parents.cpu(), L, model.dtype, device, window=window, depths=tree.depths)}
 
 
 def _children(parents: list[int]) -> list[list[int]]:
@@ -132,12 +135,15 @@ def verify_tree(model, cache: DynamicCache, L: int, anchor: int, tree: DraftTree
     if impl not in DENSE_MASK_ATTENTION:
         raise ValueError(f"tree verification needs a dense attention mask: attention {impl!r} is not one of "
                          f"{DENSE_MASK_ATTENTION} (model.set_attn_implementation('sdpa'))")
-    if cache.get_seq_length() != L:
-        raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, expected L = {L}")
+    if target_cache.is_recurrent(model):
+        raise target_cache.CacheError(f"tree verification needs per-branch states, which the recurrent target "
+                                      f"{type(model).__name__} does not have: use a chain method")
+    if target_cache.seq_length(cache) != L:
+        raise ValueError(f"the cache holds {target_cache.seq_length(cache)} tokens, expected L = {L}")
     device = next(model.parameters()).device
     ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()]).to(device)[None]
     positions = (L + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths.cpu()])).to(device)[None]
-    mask = tree_attention_mask(tree.parents.cpu(), L, model.dtype, device)
+    mask = tree_masks(model, tree, L, device)
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
                 output_hidden_states=True)
     logits = out.logits[0]
@@ -145,8 +151,8 @@ def verify_tree(model, cache: DynamicCache, L: int, anchor: int, tree: DraftTree
     path = _walk_greedy(tree, best)
     keep = [0] + [i + 1 for i in path]  # rows of [anchor, accepted nodes]
     rows = torch.tensor(keep, device=device)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[0].index_select(0, rows)
-    compact_cache(cache, L, rows)
+    feats = tapped(out.hidden_states, layer_ids)[0].index_select(0, rows)
+    target_cache.keep_path(cache, L, rows)
     return TreeVerdict(path=path, tokens=tree.tokens[path].tolist(), next_anchor=best[keep[-1]], features=feats,
                        logits=logits, final=out.hidden_states[-1][0].index_select(0, rows))
 
@@ -284,6 +290,14 @@ def ddtree_of_logits(logits: torch.Tensor, drafter, budget: int) -> DraftTree:
     log-softmax values (no depth can use more ranks than the budget)."""
     top = torch.log_softmax(logits.float(), -1).topk(min(budget, logits.shape[-1]), -1)
     return ddtree(top.values, drafter.to_target_ids(top.indices), budget)
+
+
+def check_target(method, model) -> None:
+    """Refuse a tree method at once on a target whose cache cannot be cut to a tree path (recurrent layers keep one
+    state for the whole tree), before any decoding: never a silent wrong state."""
+    if isinstance(method, TreeMethod) and target_cache.is_recurrent(model):
+        raise ValueError(f"{method.name} verifies draft trees, which need a state per branch; the recurrent target "
+                         f"{type(model).__name__} keeps one per sequence: use a chain method (chain, selector_greedy, ...)")
 
 
 class TreeMethod(ChainMethod):

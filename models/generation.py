@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache
+
+from dflash_pipeline.models import cache as target_cache
+from dflash_pipeline.models.target import tapped
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None):
@@ -38,38 +40,6 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
     return ids, mask
 
 
-def _merge(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor
-           ) -> torch.Tensor:
-    """Append the rows of `other` (a separately prefilled batch) to `cache`, left-padding the narrower one so every
-    row's next token stays in the last column; returns the merged attention mask. Keys are stored already rotated
-    and positions are passed explicitly, so padding columns change nothing but the mask."""
-    width = max(mask.shape[1], other_mask.shape[1])
-
-    def pad(x: torch.Tensor, dim: int) -> torch.Tensor:
-        missing = width - x.shape[dim]
-        if not missing:
-            return x
-        shape = list(x.shape)
-        shape[dim] = missing
-        return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-    for mine, theirs in zip(cache.layers, other.layers):
-        mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)])
-        mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)])
-    return torch.cat([pad(mask, 1), pad(other_mask, 1)])
-
-
-def _trim(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
-    """Drop leading columns that are padding in every row (left behind by rows that finished)."""
-    used = mask.any(0).nonzero()
-    first = int(used[0]) if len(used) else mask.shape[1]
-    if first:
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
-        mask = mask[:, first:]
-    return mask
-
-
 class ContinuousBatch:
     """The state of continuous batching over `prompts`: a queue of prompts not yet admitted and the decode rows
     (the prompt index of each, their KV cache and attention mask, the token each feeds next and its position).
@@ -85,6 +55,9 @@ class ContinuousBatch:
         self.batch_size = batch_size or len(prompts)
         self.refill_at = max(1, self.batch_size // 4)  # free rows that trigger an admission
         self.prefill_tokens = prefill_tokens or 1 << 62
+        # A recurrent target's prompts are prefilled one by one: left padding would run through its recurrent layers
+        # (their state is per row and exact only without padding); decode steps are still batched.
+        self.prefill_alone = target_cache.is_recurrent(model)
         self.taps = taps
         self.hidden = {"output_hidden_states": True} if taps is not None else {}
         self.queue = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
@@ -113,8 +86,7 @@ class ContinuousBatch:
     def record(self, out, rows: list[int], spans: list[slice]) -> None:
         hs, taps = out.hidden_states, self.taps
         for j, (r, span) in enumerate(zip(rows, spans)):
-            self.seen[r].append((torch.cat([hs[i + 1][j, span] for i in taps], dim=-1) if taps
-                                 else hs[-1][j, span, :0], hs[-1][j, span]))
+            self.seen[r].append((tapped(hs, taps)[j, span], hs[-1][j, span]))
 
     def pick(self, logits: torch.Tensor, rows: list[int], live: list[bool]) -> tuple[torch.Tensor, list[bool]]:
         """The next token of each live row, appended to its reply; whether each row goes on decoding."""
@@ -134,11 +106,11 @@ class ContinuousBatch:
         least) and merge the rows that go on into the running batch."""
         device, prompts = self.model.device, self.prompts
         new = [self.queue.pop()]
-        while self.queue and len(new) < self.free() and (len(new) + 1) * len(prompts[self.queue[-1]]) \
+        while self.queue and not self.prefill_alone and len(new) < self.free() and (len(new) + 1) * len(prompts[self.queue[-1]]) \
                 <= self.prefill_tokens:
             new.append(self.queue.pop())
         ids, new_mask = _left_pad([prompts[r] for r in new], self.pad_id, device)
-        new_cache = DynamicCache()
+        new_cache = target_cache.new_cache(self.model)
         out = self.model(input_ids=ids, attention_mask=new_mask, position_ids=(new_mask.cumsum(-1) - 1).clamp(min=0),
                          cache=new_cache, use_cache=True, logits_to_keep=1, **self.hidden)
         if self.hidden:
@@ -149,12 +121,12 @@ class ContinuousBatch:
             return
         idx = torch.tensor(keep, device=device)
         if len(keep) < len(new):
-            new_cache.batch_select_indices(idx)
+            target_cache.select_rows(new_cache, idx)
         new_mask, new_pos = new_mask[idx], new_mask[idx].sum(-1)
         if self.cache is None:
             self.cache, self.mask, self.tokens, self.next_pos = new_cache, new_mask, picked[idx], new_pos
         else:
-            self.mask = _merge(self.cache, self.mask, new_cache, new_mask)
+            self.mask = target_cache.merge_rows(self.cache, self.mask, new_cache, new_mask)
             self.tokens, self.next_pos = torch.cat([self.tokens, picked[idx]]), torch.cat([self.next_pos, new_pos])
         self.active += [new[i] for i in keep]
         self.closing += [not goes_on[i] for i in keep]
@@ -177,8 +149,9 @@ class ContinuousBatch:
                 self.cache = self.mask = self.tokens = self.next_pos = None
                 return
             idx = torch.tensor(keep, device=self.model.device)
-            self.cache.batch_select_indices(idx)
-            self.mask, picked, next_pos = _trim(self.cache, self.mask[idx]), picked[idx], next_pos[idx]
+            target_cache.select_rows(self.cache, idx)
+            self.mask = target_cache.trim_padding(self.cache, self.mask[idx])
+            picked, next_pos = picked[idx], next_pos[idx]
         self.tokens, self.next_pos = picked, next_pos
 
 
@@ -264,8 +237,7 @@ def capture(
     finally:
         if hook is not None:
             hook.remove()
-    taps = [out.hidden_states[i + 1] for i in layer_ids] or [out.last_hidden_state[..., :0]]  # no taps: width 0
-    feats = torch.cat(taps, dim=-1)  # (rows, width, n*H)
+    feats = tapped(out.hidden_states, layer_ids)  # (rows, width, n*H)
     results = []
     for r, s in enumerate(sequences):
         n = len(s)

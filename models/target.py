@@ -41,12 +41,17 @@ class Target:
         return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     @property
+    def config(self):
+        """The text decoder's config (an image-text wrapper's language model): what layer ids count."""
+        return text_config(self.model)
+
+    @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self.config.hidden_size
 
     @property
     def eos_ids(self) -> set[int]:
@@ -54,6 +59,37 @@ class Target:
         ids = self.model.generation_config.eos_token_id
         ids = ids if isinstance(ids, list) else [ids]
         return {i for i in [self.tokenizer.eos_token_id, *ids] if i is not None}
+
+
+try:  # transformers' per-layer configurations (Gemma 4): a global read of a per-layer value raises this
+    from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
+except ImportError:  # older transformers: no per-layer configurations
+    AmbiguousGlobalPerLayerAttributeError = AttributeError
+
+
+def text_config(model):
+    """The config of the text decoder: the model's own, or an image-text wrapper's text_config."""
+    return model.config.get_text_config(decoder=True)
+
+
+def config_value(config, name: str, default=None):
+    """A value of a target's config. Where it is per layer (Gemma 4's head_dim, ...), the first full-attention
+    layer's: the drafter's attention is full attention."""
+    try:
+        return getattr(config, name, default)
+    except AmbiguousGlobalPerLayerAttributeError:
+        types = list(getattr(config, "layer_types", None) or [])
+        layer = types.index("full_attention") if "full_attention" in types else 0
+        return getattr(config.per_layer_config[layer], name, default)
+
+
+def tapped(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+    """The tapped layers' outputs, concatenated in layer order: (..., T, n*H). Layer i is the output of decoder layer
+    i, transformers' hidden_states[i + 1] (hidden_states[0] is the embeddings); no taps gives width 0. The one place
+    this contract is written: datasets, the decoding loop and exports all count layers this way."""
+    if not layer_ids:
+        return hidden_states[-1][..., :0]
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -209,9 +245,16 @@ def load_target(cfg, cache_dir: str | Path) -> Target:
     else:
         src = resolve_pretrained(cfg.kind, cfg.path, cfg.gguf_file, cache_dir)
         try:
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            model, info = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                                               output_loading_info=True)
         except OSError as e:
             raise TargetError(f"cannot load target {cfg.path!r}: {str(e).splitlines()[0]}") from e
+        except ValueError as e:  # transformers has no causal LM class for this config
+            raise TargetError(f"cannot load target {cfg.path!r} as a causal LM: {str(e).splitlines()[0]}") from e
+        if info.get("missing_keys"):  # newly initialised weights would make a random verifier, silently
+            missing = sorted(info["missing_keys"])
+            raise TargetError(f"target {cfg.path!r} lacks weights {missing[:3]}{' ...' if len(missing) > 3 else ''}: "
+                              "the folder does not hold this causal LM's checkpoint")
         ref = cfg.path if cfg.kind == "hf" else f"{cfg.path}/{cfg.gguf_file}"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -89,7 +89,7 @@ def main() -> None:
         target = load_target(cfg.target, cfg.cache_dir)
         drafter, folder = load_drafter(cfg, Path(cfg.hydra.run.dir) / cfg.trainer.out_dir, target)
         B = cfg.eval.block_size or drafter.config.block_size
-        room = target.model.config.max_position_embeddings - args.max_new_tokens - 16
+        room = target.config.max_position_embeddings - args.max_new_tokens - 16
         refs = ReferenceCache(Path(cfg.cache_dir) / "references", target)
         prompts = load_prompts("mtbench", "mtbench", cfg, refs, room)["mtbench"]
         if dtype == args.dtypes[0]:

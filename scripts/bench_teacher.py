@@ -166,7 +166,7 @@ def vllm_side_by_side(args, cfg, target, prompts: list[list[int]], layer_ids: li
     log_file = Path(tempfile.gettempdir()) / "bench_teacher_vllm.log"
     t0 = time.perf_counter()
     with VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), target.dtype,
-                    target.model.config.max_position_embeddings, threads=torch.get_num_threads(),
+                    target.config.max_position_embeddings, threads=torch.get_num_threads(),
                     max_num_seqs=args.batch_size, log_file=log_file) as engine:
         start_s = time.perf_counter() - t0
         engine.generate(prompts[:2], 4, sorted(target.eos_ids), batch=True)  # warm-up

@@ -78,7 +78,7 @@ def main() -> None:
                 break
     blocks = blocks[:args.blocks]
     expansions = args.expansions or [cfg.weaver.expansions]
-    ids = torch.randint(0, target.model.config.vocab_size, (1, 257))
+    ids = torch.randint(0, target.config.vocab_size, (1, 257))
     with torch.no_grad():
         out = target.model(ids[:, :256], use_cache=True)
         step = []

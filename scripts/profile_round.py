@@ -38,7 +38,7 @@ def main() -> None:
     target = load_target(cfg.target, cfg.cache_dir)
     drafter, folder = load_drafter(cfg, run_dir / cfg.trainer.out_dir, target)
     B = cfg.eval.block_size or drafter.config.block_size
-    room = target.model.config.max_position_embeddings - args.max_new_tokens - B
+    room = target.config.max_position_embeddings - args.max_new_tokens - B
     refs = ReferenceCache(Path(cfg.cache_dir) / "references", target)
     prompts = load_prompts(args.set, args.set, cfg, refs, room)[args.set]
     costs = measure_costs(target, drafter, decode_context(prompts, args.max_new_tokens, room), B)

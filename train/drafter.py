@@ -5,6 +5,7 @@ evaluation and an export. Later components (selector, jump heads, Weaver) bring 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from pathlib import Path
@@ -22,7 +23,7 @@ from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
-from dflash_pipeline.models.target import Target
+from dflash_pipeline.models.target import Target, config_value
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
@@ -69,18 +70,19 @@ def target_rope(tc) -> tuple[float, dict | None]:
 
 def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFlashDrafterConfig:
     """The drafter's shape: conf/drafter values, the rest from the target (width, heads, rope, vocab)."""
-    d, tc = cfg.drafter, target.model.config
-    head_dim = d.head_dim or getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    d, tc = cfg.drafter, target.config  # the text decoder's config (an image-text wrapper's language model)
+    value = functools.partial(config_value, tc)  # per-layer values (Gemma 4): the first full-attention layer's
+    head_dim = d.head_dim or value("head_dim") or tc.hidden_size // value("num_attention_heads")
     rope_theta, rope_scaling = target_rope(tc)
     return DFlashDrafterConfig(
         hidden_size=d.hidden_size or tc.hidden_size,
-        intermediate_size=d.intermediate_size or tc.intermediate_size,
+        intermediate_size=d.intermediate_size or value("intermediate_size"),
         num_hidden_layers=d.num_layers,
         layer_repeats=d.layer_repeats,
-        num_attention_heads=d.num_attention_heads or tc.num_attention_heads,
-        num_key_value_heads=d.num_key_value_heads or tc.num_key_value_heads,
+        num_attention_heads=d.num_attention_heads or value("num_attention_heads"),
+        num_key_value_heads=d.num_key_value_heads or value("num_key_value_heads"),
         head_dim=head_dim,
-        rms_norm_eps=tc.rms_norm_eps,
+        rms_norm_eps=value("rms_norm_eps") or value("layer_norm_epsilon") or value("norm_eps") or 1e-6,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=tc.max_position_embeddings,
