@@ -108,6 +108,8 @@ def markdown(results: dict) -> str:
             row(f"{m} {ds} a_k offline", r["a_k_offline"])
             row(f"{m} {ds} a_k online", r["a_k_online"])
     lines += served_markdown(results.get("served"), row)
+    if results.get("not_run"):
+        lines += ["", "Not run on this target:", ""] + [f"- {m}: {why}" for m, why in results["not_run"].items()]
     return "\n".join(lines) + "\n"
 
 

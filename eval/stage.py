@@ -536,12 +536,18 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         if e.temperature > 0:
             raise EvalError("eval.served compares greedy decodes: set eval.temperature=0")
         vllm_python(cfg.cache_dir)
-    for name, method in methods.items():
+    not_run = {}  # methods this target family cannot serve (trees on a recurrent target): named in the results
+    for name, method in list(methods.items()):
         try:
             method.check(B, e.temperature)
-            check_target(method, target.model)
         except ValueError as err:
             raise EvalError(f"eval method {name}: {err}") from err
+        try:
+            check_target(method, target.model)
+        except ValueError as err:
+            log.warning("eval method %s not run: %s", name, err)
+            not_run[name] = str(err)
+            del methods[name]
     room = target.config.max_position_embeddings - e.max_new_tokens - B
     ks = sorted(set(e.recall_k))
     references = ReferenceCache(Path(cfg.cache_dir) / "references", target)
@@ -558,6 +564,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
 
     results = {
         "config_hash": digest,
+        "not_run": not_run,
         "target": target.ref,
         "drafter_dir": str(drafter_dir),
         "block_size": B,

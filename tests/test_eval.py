@@ -13,7 +13,8 @@ from dflash_pipeline.conf.schema import ConfigError
 from dflash_pipeline.conf.stages import config_hash
 from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import autoregressive, speculative
-from dflash_pipeline.eval.protocol import Proposal, crop_cache
+from dflash_pipeline.eval.protocol import Proposal
+from dflash_pipeline.models.cache import crop as crop_cache
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, conditional_acceptance, offline_metrics, \
     recall_at_k, simulated_tau
 from dflash_pipeline.eval.exactness import ExactnessError

@@ -13,7 +13,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dflash_pipeline.eval.decode import _accept_greedy, autoregressive
-from dflash_pipeline.eval.protocol import crop_cache, target_forward
+from dflash_pipeline.eval.protocol import target_forward
+from dflash_pipeline.models.cache import crop as crop_cache
 from dflash_pipeline.eval.tree import DDTreeMethod, DraftTree, TreeMethod, ancestor_mask, build_tree, ddtree, \
     verify_tree
 from tests.conftest import chat_prompt_ids

@@ -1,0 +1,196 @@
+"""Target families through everything that touches the target: the teacher's continuous batch and capture, the exact
+decoding loop with each rollback, tree verification, the drafter's shape. Tiny random targets built from transformers'
+own configs (scripts/tiny_target.py: linear-attention and Mamba hybrids, MLA, per-layer Gemma 4, sliding windows,
+attention sinks, soft-capping, an image-text wrapper), every output checked against the target's own `generate`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_pipeline.eval.decode import autoregressive, speculative
+from dflash_pipeline.eval.protocol import Proposal
+from dflash_pipeline.eval.tree import DDTreeMethod, DraftTree, check_target, verify_tree
+from dflash_pipeline.models import cache as target_cache
+from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.models.generation import capture, generate
+from dflash_pipeline.models.target import TargetError, load_target, tapped
+from dflash_pipeline.train.drafter import drafter_config
+
+from conftest import ROOT, chat_prompt_ids, make_config
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import tiny_target  # noqa: E402
+
+FAMILIES = list(tiny_target.FAMILIES)
+RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_vl", "nemotron_h"}
+TEXTS = ["Hi", "What is 2+2?",
+         "Write a long poem about the sea and the sky and the birds that fly in between them all day long, please."]
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    made: dict[str, Path] = {}
+
+    def folder(family: str) -> Path:
+        if family not in made:
+            made[family] = tiny_target.build(family, root / family, tiny_target.smollm2_tokenizer())
+        return made[family]
+
+    return folder
+
+
+def family_target(family_dirs, family: str):
+    cfg = make_config("target=hf", f"target.path={family_dirs(family)}")
+    return cfg, load_target(cfg.target, cfg.cache_dir)
+
+
+def reference(target, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by the target's own transformers `generate`: the ground truth of every check here."""
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                eos_token_id=sorted(target.eos_ids), pad_token_id=target.tokenizer.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+class Oracle:
+    """Proposes the target's greedy continuation with drafts corrupted at random (so rounds accept some drafts and
+    reject the rest: every rollback length is exercised); with `tree`, each depth holds the right token and a wrong
+    sibling, in random order, as a draft tree."""
+
+    name = "oracle"
+
+    def __init__(self, continuation: list[int], block: int, vocab: int, corrupt: float, tree: bool = False):
+        self.continuation, self.max_block_size, self.vocab, self.corrupt = continuation, block, vocab, corrupt
+        self.tree, self.layer_ids = tree, [1]
+        self.gen = torch.Generator().manual_seed(0)
+        self.accepted_any = False
+
+    def start(self):
+        pass
+
+    def check(self, block_size, temperature):
+        pass
+
+    def propose(self, state, block_size, temperature=0.0, generator=None):
+        n = len(state.output)
+        drafts = list(self.continuation[n: n + block_size - 1])
+        drafts += [0] * (block_size - 1 - len(drafts))
+        for k in range(len(drafts)):
+            if float(torch.rand((), generator=self.gen)) < self.corrupt:
+                drafts[k] = (drafts[k] + 1) % self.vocab
+        if not self.tree:
+            return Proposal(torch.tensor(drafts))
+        tokens, parents, depths, parent = [], [], [], -1
+        for d, tok in enumerate(drafts):
+            pair = [tok, (tok + 7) % self.vocab]
+            if float(torch.rand((), generator=self.gen)) < 0.5:
+                pair.reverse()
+            for t in pair:
+                tokens.append(t), parents.append(parent), depths.append(d + 1)
+            parent = len(tokens) - (2 if pair[0] == tok else 1)
+        tree = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
+        return Proposal(tree.tokens, tree=tree)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_teacher_and_exact_loop(family_dirs, family):
+    """Continuous batching (rows admitted and finishing at different steps), the autoregressive loop and speculative
+    decoding with rollbacks of every length all equal the target's own greedy `generate`; trees too where the family
+    can serve them (sliding windows, sinks and soft-capping included)."""
+    torch.manual_seed(0)
+    _, target = family_target(family_dirs, family)
+    prompts = chat_prompt_ids(target.tokenizer, TEXTS)
+    assert len(prompts[-1]) > 16  # longer than the sliding windows of the configs
+    n = 24
+    refs = [reference(target, p, n) for p in prompts]
+    replies = generate(target.model, prompts, max_new_tokens=n, eos_ids=target.eos_ids,
+                       pad_id=target.tokenizer.pad_token_id, batch_size=2)
+    assert replies == refs
+    assert autoregressive(target, prompts[-1], n)[0] == refs[-1]
+    recurrent = target_cache.is_recurrent(target.model)
+    assert recurrent == (family in RECURRENT)
+    for rollback in target_cache.ROLLBACKS if recurrent else ("record",):
+        for p, ref in zip(prompts, refs):
+            oracle = Oracle(ref, 4, target.config.vocab_size, corrupt=0.3)
+            res = speculative(target, oracle, p, n, rollback=rollback)
+            assert res.tokens == ref, (family, rollback)
+        assert 0 < sum(res.accepted) < sum(res.verified)  # rounds that accepted some drafts and rejected others
+    if not recurrent:
+        for p, ref in zip(prompts, refs):
+            res = speculative(target, Oracle(ref, 4, target.config.vocab_size, 0.3, tree=True), p, n)
+            assert res.tokens == ref, family
+            assert sum(res.accepted) > 0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss", "gemma4"])
+def test_tree_verify_equals_the_chain_forward_under_sliding_windows(family_dirs, family):
+    """Each accepted node's logits under the tree mask equal a chain forward over its path, on a context longer than
+    the window: the sliding layers get the window applied to the tree (the cause of the inexact trees before)."""
+    _, target = family_target(family_dirs, family)
+    model = target.model
+    prompt = chat_prompt_ids(target.tokenizer, TEXTS[-1:])[0]
+    L = len(prompt)
+    cont = reference(target, prompt, 4)
+    cache = target_cache.new_cache(model)
+    model(input_ids=torch.tensor([prompt[:-1]]), cache=cache, use_cache=True)
+    tree = DraftTree(torch.tensor([cont[0], 5, cont[1], 9]), torch.tensor([-1, -1, 0, 0]), torch.tensor([1, 1, 2, 2]))
+    verdict = verify_tree(model, cache, L - 1, prompt[-1], tree, [1])
+    chain = model(input_ids=torch.tensor([prompt + cont[:2]])).logits[0, L - 1:]
+    torch.testing.assert_close(verdict.logits[[0, 1, 3]], chain, atol=1e-4, rtol=1e-4)
+
+
+def test_trees_are_refused_at_once_on_recurrent_targets(family_dirs):
+    """A tree method on a recurrent target stops before any decoding with one line; cutting a cache holding a
+    linear-attention layer to a tree path raises instead of keeping the rejected nodes in its state."""
+    cfg, target = family_target(family_dirs, "qwen3_next")
+    drafter = DFlashDrafter(drafter_config(cfg, target, [1, 3]), target.model.get_input_embeddings(),
+                            target.model.get_output_embeddings()).eval()
+    method = DDTreeMethod(drafter, 4)
+    with pytest.raises(ValueError, match="recurrent target Qwen3NextForCausalLM"):
+        check_target(method, target.model)
+    with pytest.raises(ValueError, match="per branch"):
+        speculative(target, method, [1, 2, 3], 8)
+    cache = target_cache.new_cache(target.model)
+    target.model(input_ids=torch.tensor([[1, 2, 3, 4]]), cache=cache, use_cache=True)
+    with pytest.raises(target_cache.CacheError, match="LinearAttention"):
+        target_cache.keep_path(cache, 2, torch.tensor([0]))
+    with pytest.raises(target_cache.CacheError, match="Rollback"):
+        target_cache.crop(cache, 2)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5_vl", "nemotron_h", "deepseek_v3"])
+def test_drafter_shape_and_taps_per_family(family_dirs, family):
+    """The drafter's shape comes from the text decoder's config (per-layer values from a full-attention layer; an
+    image-text wrapper's language model), and the captured features are the tapped decoder layers' outputs."""
+    cfg, target = family_target(family_dirs, family)
+    conf = drafter_config(cfg, target, [1, 3])
+    assert conf.target_hidden_size == target.hidden_size == 64
+    assert conf.num_target_layers == target.num_layers == 6
+    assert conf.vocab_size == len(target.tokenizer)
+    if family == "gemma4":
+        assert conf.head_dim == 32  # the full-attention layers' (the sliding ones have 16)
+    seq = chat_prompt_ids(target.tokenizer, TEXTS[:1])[0]
+    feats = capture(target.model, [seq], [1, 3], pad_id=target.tokenizer.pad_token_id)[0]["features"]
+    hs = target.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(feats, tapped(hs, [1, 3])[0])
+    torch.testing.assert_close(feats[:, 64:], hs[4][0])  # layer 3 = hidden_states[4]
+
+
+def test_a_target_folder_missing_weights_is_refused(family_dirs, tmp_path):
+    """A folder whose checkpoint lacks the causal LM's weights (here the LM head) would load with random ones: one
+    line naming them instead."""
+    import json
+    import shutil
+
+    src = family_dirs("qwen3_5_vl")
+    bad = tmp_path / "untied"
+    shutil.copytree(src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["text_config"]["tie_word_embeddings"] = config["tie_word_embeddings"] = False
+    (bad / "config.json").write_text(json.dumps(config))
+    cfg = make_config("target=hf", f"target.path={bad}")
+    with pytest.raises(TargetError, match="lacks weights"):
+        load_target(cfg.target, cfg.cache_dir)
