@@ -175,6 +175,9 @@ class TargetConfig:
     # reported near-ties, eval.near_tie_tolerance), or auto (per machine, recorded with the results)
     dtype: TargetDType = TargetDType.float32
     trust_remote_code: bool = False
+    # arguments of the chat template (apply_chat_template), e.g. {enable_thinking: false} for thinking templates:
+    # the teacher's and the eval's prompts are rendered with them (docs/targets.md, 'Thinking templates')
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 

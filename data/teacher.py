@@ -55,6 +55,9 @@ def chat_segments(tokenizer, messages: list[dict], max_turns: int) -> list[list[
     segments[k] is what precedes assistant turn k (for k > 0: after assistant turn k-1), so the prompt of turn k is
     segments[0] + reply[0] + ... + segments[k]. The template is rendered once with placeholder replies and split at
     them; the replies' own text is never re-tokenized, so the stored ids are exactly what the target produced.
+    The template's arguments (target.chat_template_kwargs, e.g. enable_thinking) come with the tokenizer. Earlier
+    turns' replies, reasoning included, stay as the target wrote them (a template that strips earlier reasoning sees
+    only placeholders here): the trained sequence is what the target saw while writing each turn.
     """
     msgs, turns = [], 0
     for m in messages:
@@ -63,7 +66,7 @@ def chat_segments(tokenizer, messages: list[dict], max_turns: int) -> list[list[
         elif m["role"] == "user" and turns < max_turns:
             msgs += [m, {"role": "assistant", "content": f"@@REPLY{turns}@@"}]
             turns += 1
-    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, **getattr(tokenizer, "template_kwargs", {}))
     pieces, rest = [], text
     for k in range(turns):
         head, rest = rest.split(f"@@REPLY{k}@@", 1)

@@ -103,7 +103,10 @@ def default_layer_ids(num_layers: int, num_taps: int) -> list[int]:
     'Tapped layers')."""
     if num_taps == 1:
         return [num_layers // 2]
-    return [round(1 + i * (num_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+    ids = [round(1 + i * (num_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+    if (len(set(ids)) < num_taps or min(ids) < 0) and num_taps <= num_layers:  # too shallow: spread over all layers
+        ids = [round(i * (num_layers - 1) / (num_taps - 1)) for i in range(num_taps)]
+    return ids
 
 
 def resolve_layer_ids(layer_ids: list[int] | None, num_taps: int, num_layers: int) -> list[int]:
@@ -174,7 +177,15 @@ def resolve_pretrained(kind: str, path: str, gguf_file: str | None, cache_dir: s
 
 
 def load_tokenizer(cfg, cache_dir: str | Path) -> PreTrainedTokenizerBase:
-    """The target's tokenizer; the tiny target borrows a real one (`target:<name>` = conf/target/<name>.yaml)."""
+    """The target's tokenizer, carrying target.chat_template_kwargs (as `template_kwargs`, read by every prompt
+    rendering: data/teacher.py chat_segments)."""
+    tokenizer = _tokenizer(cfg, cache_dir)
+    tokenizer.template_kwargs = dict(cfg.get("chat_template_kwargs") or {})
+    return tokenizer
+
+
+def _tokenizer(cfg, cache_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer itself; the tiny target borrows a real one (`target:<name>` = conf/target/<name>.yaml)."""
     if cfg.kind == "tiny":
         spec = cfg.tokenizer or "target:smollm2"
         if spec.startswith("target:"):

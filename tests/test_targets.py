@@ -194,3 +194,73 @@ def test_a_target_folder_missing_weights_is_refused(family_dirs, tmp_path):
     cfg = make_config("target=hf", f"target.path={bad}")
     with pytest.raises(TargetError, match="lacks weights"):
         load_target(cfg.target, cfg.cache_dir)
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' -%}<|im_start|>assistant\n"
+    "{%- set c = m.content -%}"
+    "{%- if '</think>' in c and not loop.last -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
+    "{%- if enable_thinking is defined and not enable_thinking and '<think>' not in c -%}<think></think>{%- endif -%}"
+    "{{ c }}<|im_end|>\n{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking -%}<think></think>{%- endif -%}{%- endif -%}")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_thinking_template_arguments_reach_the_teacher_and_earlier_reasoning_is_kept(thinking, tmp_path):
+    """target.chat_template_kwargs renders every prompt (thinking off: each assistant turn opens with an empty
+    think block); a template that strips earlier turns' reasoning does not strip it from the teacher's sequences:
+    turn 2 is trained on turn 1's reply as the target wrote it, reasoning included, which is what it saw."""
+    from dflash_pipeline.data.teacher import chat_segments, chat_with_replies
+    from dflash_pipeline.models.target import load_tokenizer
+
+    cfg = make_config(f"+target.chat_template_kwargs={{enable_thinking: {str(thinking).lower()}}}")
+    tok = load_tokenizer(cfg.target, cfg.cache_dir)
+    tok.chat_template = THINKING_TEMPLATE
+    assert tok.template_kwargs == {"enable_thinking": thinking}
+    reply = "<think>carry the one</think>It is 4."
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]
+    segments = [tok.decode(s) for s in chat_segments(tok, msgs, max_turns=2)]
+    opening = "<|im_start|>assistant" + ("" if thinking else "<think></think>")
+    assert all(s.endswith(opening) for s in segments)
+    ids, mask = chat_with_replies(tok, msgs, 2, 64)
+    text = tok.decode(ids)
+    assert "carry the one" in text  # earlier reasoning kept as written...
+    served = tok.apply_chat_template(msgs[:3], tokenize=False, add_generation_prompt=True, **tok.template_kwargs)
+    assert "carry the one" not in served  # ...where the template itself would strip it
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert trained == reply + "6."  # the trained span: the replies only
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_vl", "nemotron_h", "deepseek_v3", "gemma4", "gpt_oss"])
+def test_every_stage_on_the_family(family_dirs, family, tmp_path):
+    """`dflash-pipeline experiment=tiny target=hf target.path=<folder>`, the smoke test of every stage, component
+    and decoding method, on the family: every output exact; tree methods named as not run on recurrent targets; the
+    export's taps, mask id and vocabulary those of the text decoder."""
+    import json
+    import os
+    import subprocess
+
+    run = tmp_path / "run"
+    env = dict(os.environ, WANDB_MODE="offline")
+    done = subprocess.run(["dflash-pipeline", "experiment=tiny", "target=hf", f"target.path={family_dirs(family)}",
+                           f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((run / "eval" / "eval_results.json").read_text())
+    for method, per in results["methods"].items():
+        for ds, r in per.items():
+            assert r["exact"] is True and r["mismatches"] == [], (family, method, ds)
+    trees = {m for m in results["methods"] | results["not_run"] if "tree" in m}
+    assert trees  # ddtree_* and weaver_tree_*: run, or named as not run
+    if family in RECURRENT:
+        assert set(results["not_run"]) == trees and all("per branch" in why for why in results["not_run"].values())
+    else:
+        assert not results["not_run"]
+    export = json.loads((run / "train" / "export" / "config.json").read_text())
+    manifest = json.loads((run / "teacher" / "manifest.json").read_text())
+    assert export["dflash_config"]["target_layer_ids"] == manifest["layer_ids"] == [1, 3]
+    assert export["num_target_layers"] == 6 and export["target_hidden_size"] == 64
+    assert export["vocab_size"] == 49152 and 0 <= export["dflash_config"]["mask_token_id"] < 49152

@@ -23,7 +23,7 @@ from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
-from dflash_pipeline.models.target import Target, config_value
+from dflash_pipeline.models.target import Target, config_value, text_config
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
@@ -70,7 +70,7 @@ def target_rope(tc) -> tuple[float, dict | None]:
 
 def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFlashDrafterConfig:
     """The drafter's shape: conf/drafter values, the rest from the target (width, heads, rope, vocab)."""
-    d, tc = cfg.drafter, target.config  # the text decoder's config (an image-text wrapper's language model)
+    d, tc = cfg.drafter, text_config(target.model)  # the text decoder's config (an image-text wrapper's language model)
     value = functools.partial(config_value, tc)  # per-layer values (Gemma 4): the first full-attention layer's
     head_dim = d.head_dim or value("head_dim") or tc.hidden_size // value("num_attention_heads")
     rope_theta, rope_scaling = target_rope(tc)
