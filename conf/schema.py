@@ -75,6 +75,11 @@ class Split(Choice):
     all = "all"
 
 
+class Rollback(Choice):
+    record = "record"
+    replay = "replay"
+
+
 class Capture(Choice):
     during = "during"
     separate = "separate"
@@ -178,6 +183,9 @@ class TargetConfig:
     # arguments of the chat template (apply_chat_template), e.g. {enable_thinking: false} for thinking templates:
     # the teacher's and the eval's prompts are rendered with them (docs/targets.md, 'Thinking templates')
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # how a recurrent target's state (linear attention, SSM) goes back after rejected drafts: record (the verify
+    # keeps per-position states) or replay (restore a copy, forward the accepted tokens again); docs/targets.md
+    rollback: Rollback = Rollback.record
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 

@@ -49,7 +49,9 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
     from dflash_pipeline.conf import catalogue
 
     full = OmegaConf.to_container(cfg, resolve=True)
-    decode = catalogue.decode_only() if stage.startswith("train") else {}
+    decode = dict(catalogue.decode_only()) if stage.startswith("train") else {}
+    if stage != "eval":  # how a recurrent target rolls back changes the eval's timing, never data or weights
+        decode["target"] = decode.get("target", ()) + ("rollback",)
 
     def strip(node, drop=()):
         if isinstance(node, dict):

@@ -116,12 +116,12 @@ def _accept_sampling(drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor
 @torch.no_grad()
 def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, block_size: int | None = None,
                 temperature: float = 0.0, generator: torch.Generator | None = None,
-                rollback: str = "record") -> SpecResult:
+                rollback: str | None = None) -> SpecResult:
     """Speculative decoding of one prompt. drafter: a DFlashDrafter (run as the "chain" method) or a method object.
 
     Greedy output equals `autoregressive`'s token for token; with temperature > 0 it is distributed as the
     target's own samples. rollback: how a recurrent target's state goes back after a rejection (models/cache.py
-    Rollback; attention targets crop). A round verifies the anchor and the drafts the method proposed (at most B-1). Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
+    Rollback; attention targets crop); None: the target's own setting (target.rollback). A round verifies the anchor and the drafts the method proposed (at most B-1). Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
     exactly max_new_tokens.
     """
     method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
@@ -139,7 +139,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     t_start = time.perf_counter()
     method.start()
     cache = target_cache.new_cache(model)
-    rollback = target_cache.Rollback(model, rollback)
+    rollback = target_cache.Rollback(model, rollback or getattr(target, "rollback", "record"))
     L = len(prompt_ids)
     logits, feats, final = target_forward(model, torch.tensor([prompt_ids], device=device),
                                           torch.arange(L, device=device)[None], cache, method.layer_ids,

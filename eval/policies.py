@@ -72,7 +72,7 @@ class EvalContext:
 
 @torch.no_grad()
 def measure_costs(target, drafter, context_ids: list[int], block_size: int, repeats: int = 9,
-                  tree_sizes: tuple[int, ...] = (), rollback: str = "record") -> dict:
+                  tree_sizes: tuple[int, ...] = (), rollback: str | None = None) -> dict:
     """The target's verify-cost curve c(n) = time(verify n tokens) / time(1 token), n = 1..B, after a prefill of
     `context_ids`, the drafter's block forward in the same unit, and for each N of tree_sizes the verification of
     an N-node tree (eval/tree.py verify_tree: ancestor mask, greedy walk, cache compaction). Repeats interleave every
@@ -88,7 +88,7 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     L = len(context_ids)
     _, feats, _ = target_forward(model, torch.tensor([context_ids], device=device), torch.arange(L, device=device)[None],
                               cache, layer_ids, last_only=True)
-    rollback = target_cache.Rollback(model, rollback)
+    rollback = target_cache.Rollback(model, rollback or getattr(target, "rollback", "record"))
     rollback.start(cache, block_size)
     at_context = target_cache.snapshot(cache)
     chain = ChainMethod(drafter)

@@ -35,6 +35,7 @@ class Target:
     tokenizer: PreTrainedTokenizerBase
     ref: str  # how to find this target again (recorded in datasets and checkpoints)
     numerics: dict = field(default_factory=dict)  # the dtype it runs in, why, and the machine (models/precision.py)
+    rollback: str = "record"  # how a recurrent target's state goes back after a verify (models/cache.py Rollback)
 
     @property
     def dtype(self) -> str:
@@ -270,4 +271,5 @@ def load_target(cfg, cache_dir: str | Path) -> Target:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)
-    return Target(model=model, tokenizer=tokenizer, ref=ref, numerics={"dtype": name, **why, "machine": machine()})
+    return Target(model=model, tokenizer=tokenizer, ref=ref, numerics={"dtype": name, **why, "machine": machine()},
+                  rollback=str(cfg.get("rollback", "record")))

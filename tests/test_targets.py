@@ -264,3 +264,16 @@ def test_every_stage_on_the_family(family_dirs, family, tmp_path):
     assert export["dflash_config"]["target_layer_ids"] == manifest["layer_ids"] == [1, 3]
     assert export["num_target_layers"] == 6 and export["target_hidden_size"] == 64
     assert export["vocab_size"] == 49152 and 0 <= export["dflash_config"]["mask_token_id"] < 49152
+
+
+def test_rollback_is_a_decode_setting():
+    """target.rollback changes how the eval decodes a recurrent target, not the teacher data or the weights: it
+    re-runs the eval only; an unknown strategy is refused."""
+    from dflash_pipeline.conf.stages import config_hash
+
+    base, replay = make_config(), make_config("target.rollback=replay")
+    assert config_hash(base, "teacher") == config_hash(replay, "teacher")
+    assert config_hash(base, "train") == config_hash(replay, "train")
+    assert config_hash(base, "eval") != config_hash(replay, "eval")
+    with pytest.raises(target_cache.CacheError, match="unknown rollback"):
+        target_cache.Rollback(torch.nn.Linear(1, 1), "snapshot")
