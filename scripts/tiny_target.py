@@ -22,15 +22,16 @@ import transformers
 from transformers import AutoTokenizer
 
 H, LAYERS = 64, 6
-COMMON = dict(hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+# head_dim 32: the smallest head vLLM's CPU attention runs (the served eval loads these targets too)
+COMMON = dict(hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=32, max_position_embeddings=4096)
 
 
 def _families() -> dict[str, tuple[str, str, dict]]:
     """name -> (config class, model class, config kwargs)."""
     qwen35_text = dict(COMMON, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                        linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=3)
-    gemma4_text = dict(COMMON, num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=16,
+    gemma4_text = dict(COMMON, num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=16,
                        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
                        hidden_size_per_layer_input=16, num_kv_shared_layers=2,
                        final_logit_softcapping=30.0)
@@ -56,8 +57,18 @@ def _families() -> dict[str, tuple[str, str, dict]]:
                             mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16,
                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                             moe_shared_expert_intermediate_size=64, use_mamba_kernels=False)),
+        "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
+                      dict(COMMON, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                           mamba_chunk_size=16, mamba_expand=1)),
+        "granite4_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                            dict(COMMON, layer_types=["mamba", "attention", "mamba", "mamba", "attention", "mamba"],
+                                 num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+                                 mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=16,
+                                 mamba_expand=2, position_embedding_type="rope")),
+        "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
+                 dict(COMMON, full_attn_idxs=[2, 5], block_auto_adjust_ff_dim=False, block_multiple_of=16)),
         "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                        dict(COMMON, num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                        dict(COMMON, num_key_value_heads=2, head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
                              qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                              n_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1,
                              topk_group=1)),

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import tiny_target  # noqa: E402
 
 FAMILIES = list(tiny_target.FAMILIES)
-RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_vl", "nemotron_h"}
+RECURRENT = {"qwen3_next", "qwen3_5", "qwen3_5_vl", "nemotron_h", "falcon_h1", "granite4_hybrid", "lfm2"}
 TEXTS = ["Hi", "What is 2+2?",
          "Write a long poem about the sea and the sky and the birds that fly in between them all day long, please."]
 
@@ -171,7 +171,7 @@ def test_drafter_shape_and_taps_per_family(family_dirs, family):
     assert conf.num_target_layers == target.num_layers == 6
     assert conf.vocab_size == len(target.tokenizer)
     if family == "gemma4":
-        assert conf.head_dim == 32  # the full-attention layers' (the sliding ones have 16)
+        assert conf.head_dim == 64  # the full-attention layers' (the sliding ones have 32)
     seq = chat_prompt_ids(target.tokenizer, TEXTS[:1])[0]
     feats = capture(target.model, [seq], [1, 3], pad_id=target.tokenizer.pad_token_id)[0]["features"]
     hs = target.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
