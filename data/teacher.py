@@ -42,7 +42,7 @@ from dflash_pipeline.data.shards import (FEATURE_DTYPES, FORMAT_VERSION, Dataset
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.splits import PREFILLED
 from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs
-from dflash_pipeline.models.target import Target, load_target, resolve_layer_ids, target_folder
+from dflash_pipeline.models.target import Target, load_target, output_logits, resolve_layer_ids, target_folder
 from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, vllm_python
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def greedy_labels(model, final_hidden: torch.Tensor, ids: list[int], mask: list[
     where = [t for t in range(1, len(ids)) if mask[t]]
     for i in range(0, len(where), chunk):
         rows = torch.tensor(where[i: i + chunk], device=final_hidden.device)
-        for t, best in zip(where[i: i + chunk], model.lm_head(final_hidden[rows - 1]).argmax(-1).tolist()):
+        for t, best in zip(where[i: i + chunk], output_logits(model, final_hidden[rows - 1]).argmax(-1).tolist()):
             out[t] = best
     return out
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from dflash_pipeline.models import cache as target_cache
-from dflash_pipeline.models.target import tapped
+from dflash_pipeline.models.target import output_logits, tapped
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None):
@@ -198,7 +198,7 @@ def topk_logprobs(model, final_hidden: torch.Tensor, k: int, chunk: int = 256) -
     rows = final_hidden[:-1]
     vals, ids = [], []
     for i in range(0, len(rows), chunk):
-        logits = model.lm_head(rows[i: i + chunk]).float()
+        logits = output_logits(model, rows[i: i + chunk]).float()
         v, j = logits.topk(k, dim=-1)
         vals.append(v - torch.logsumexp(logits, dim=-1, keepdim=True))
         ids.append(j)

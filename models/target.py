@@ -84,6 +84,23 @@ def config_value(config, name: str, default=None):
         return getattr(config.per_layer_config[layer], name, default)
 
 
+def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its final hidden states as its own forward computes them: the LM head, then the
+    family's output transforms (Granite's logits_scaling, Falcon-H1's lm_head_multiplier, Gemma's final soft-capping).
+    Greedy choices do not change with them; distributions (stored top-k log-probs, sampling) do."""
+    config = text_config(model)
+    logits = model.lm_head(hidden)
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    multiplier = getattr(getattr(model, "model", None), "lm_head_multiplier", None)
+    if multiplier is not None:
+        logits = logits * multiplier
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def tapped(hidden_states, layer_ids: list[int]) -> torch.Tensor:
     """The tapped layers' outputs, concatenated in layer order: (..., T, n*H). Layer i is the output of decoder layer
     i, transformers' hidden_states[i + 1] (hidden_states[0] is the embeddings); no taps gives width 0. The one place

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import os
 import subprocess
 from pathlib import Path
@@ -54,6 +55,23 @@ def worker_env(venv: Path, threads: int) -> dict:
     return env
 
 
+def root_cause(log_file: str | Path, start: int = 0) -> str | None:
+    """The first exception this engine run wrote to its log (from byte `start`), not the engine's generic 'dead'
+    errors that follow it (e.g. 'AssertionError: CPU GDN attention requires BF16.'); else its last line."""
+    path = Path(log_file)
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        f.seek(start)
+        lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    generic = ("EngineDeadError", "Worker failed with error", "EngineCore encountered")
+    for line in lines:
+        found = re.search(r"\b(\w+(?:Error|Exception)): (.*)", line)
+        if found and not any(g in line for g in generic):
+            return f"{found.group(1)}: {found.group(2)}"[:300]
+    return lines[-1][:300] if lines else None
+
+
 class VLLMEngine:
     """One vLLM engine (the target, with or without a speculative drafter) in a subprocess; a context manager.
 
@@ -67,6 +85,7 @@ class VLLMEngine:
         settings = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "speculative": speculative,
                     "max_num_seqs": max_num_seqs}
         self.log_file = log_file
+        self.log_start = Path(log_file).stat().st_size if log_file and Path(log_file).is_file() else 0
         stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen([str(python), str(WORKER), json.dumps(settings)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -80,11 +99,8 @@ class VLLMEngine:
         if not line:
             code = self.proc.wait()
             where = f"; its log: {self.log_file}" if self.log_file else ""
-            tail = ""
-            if self.log_file and Path(self.log_file).is_file():
-                lines = [x for x in Path(self.log_file).read_text(errors="replace").splitlines() if x.strip()]
-                tail = f": {lines[-1][:300]}" if lines else ""
-            raise VLLMError(f"the vLLM worker exited with code {code}{tail}{where}")
+            cause = root_cause(self.log_file, self.log_start) if self.log_file else None
+            raise VLLMError(f"the vLLM worker exited with code {code}{f': {cause}' if cause else ''}{where}")
         return json.loads(line)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, stop_token_ids: list[int],

@@ -22,11 +22,11 @@ import statistics
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.protocol import ChainMethod
+from dflash_pipeline.models import cache as target_cache
 from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, ExactnessJudge
 from dflash_pipeline.eval.policies import measure_costs
 from dflash_pipeline.eval.references import ReferenceCache
@@ -41,7 +41,7 @@ def gap_shift(model, seq: list[int], start: int, pairs: torch.Tensor, block: int
     shape) and once one token at a time (AR shape). Returns (2, P) absolute shifts."""
     out = []
     for width in (block, 1):
-        cache = DynamicCache()
+        cache = target_cache.new_cache(model)
         model(input_ids=torch.tensor([seq[: start - 1]]), cache=cache, use_cache=True)
         rows, end = [], len(seq) - 1  # rows from position start - 1 on predict the tokens start .. end
         for i in range(start - 1, end, width):
@@ -60,18 +60,19 @@ def profile_step(model, context: list[int], top: int = 8) -> str:
     """The ops of a 1-token step on a cache of `context`, by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    cache = DynamicCache()
+    cache = target_cache.new_cache(model)
     with torch.no_grad():
         model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
+        at_context = target_cache.snapshot(cache)
         step = dict(input_ids=torch.tensor([[context[-1]]]), position_ids=torch.tensor([[len(context)]]),
                     cache=cache, use_cache=True)
         for _ in range(3):
             model(**step)
-            cache.crop(-1)
+            target_cache.restore(cache, at_context)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(10):
                 model(**step)
-                cache.crop(-1)
+                target_cache.restore(cache, at_context)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 

@@ -235,7 +235,7 @@ def test_thinking_template_arguments_reach_the_teacher_and_earlier_reasoning_is_
     assert trained == reply + "6."  # the trained span: the replies only
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_vl", "nemotron_h", "deepseek_v3", "gemma4", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_5_vl", "nemotron_h", "deepseek_v3", "gemma4", "gpt_oss", "gemma2"])
 def test_every_stage_on_the_family(family_dirs, family, tmp_path):
     """`dflash-pipeline experiment=tiny target=hf target.path=<folder>`, the smoke test of every stage, component
     and decoding method, on the family: every output exact; tree methods named as not run on recurrent targets; the
@@ -277,3 +277,34 @@ def test_rollback_is_a_decode_setting():
     assert config_hash(base, "eval") != config_hash(replay, "eval")
     with pytest.raises(target_cache.CacheError, match="unknown rollback"):
         target_cache.Rollback(torch.nn.Linear(1, 1), "snapshot")
+
+
+def test_a_dead_engine_names_its_root_cause(tmp_path):
+    """vLLM reports a failed worker as a generic EngineDeadError after the real exception: the error names the first
+    exception of this run's part of the log (earlier runs' lines are skipped)."""
+    from dflash_pipeline.models.vllm_engine import root_cause
+
+    log = tmp_path / "engine.log"
+    log.write_text("ERROR old run: ValueError: something from before\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("INFO loading\n(Worker) ERROR [x.py:1] AssertionError: CPU GDN attention requires BF16.\n"
+                "(EngineCore) ERROR RuntimeError: Worker failed with error 'CPU GDN ...'\n"
+                "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    assert root_cause(log, start) == "AssertionError: CPU GDN attention requires BF16."
+    assert root_cause(log) == "ValueError: something from before"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma4", "granite4_hybrid", "falcon_h1"])
+def test_stored_logprobs_are_the_targets_own_distribution(family_dirs, family):
+    """The teacher's top-k log-probs come from the logits the target's forward returns, output transforms included
+    (soft-capping, logit scaling, LM-head multipliers): the distribution a KL loss and sampled acceptance rely on."""
+    from dflash_pipeline.models.generation import topk_logprobs
+
+    _, target = family_target(family_dirs, family)
+    seq = chat_prompt_ids(target.tokenizer, TEXTS[:1])[0]
+    out = target.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+    stored = topk_logprobs(target.model, out.hidden_states[-1][0], 4)
+    expect = torch.log_softmax(out.logits[0, :-1].float(), -1).topk(4, -1)
+    torch.testing.assert_close(stored["topk_logprobs"][1:], expect.values, atol=1e-4, rtol=1e-4)
+    assert torch.equal(stored["topk_ids"][1:], expect.indices)
