@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, \
+    LinearAttentionAndFullAttentionLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+
+# The cache layers this module knows how to merge, roll back and cut (a sliding-window layer is made full length; a
+# dummy layer belongs to a layer that reuses another's keys and values). Any other is refused when the target loads.
+HANDLED = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+           DummyLayer)
 
 
 class CacheError(ValueError):
@@ -29,6 +35,16 @@ def _attention(layer) -> bool:
 
 def _recurrent(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def check_supported(model) -> None:
+    """Raise CacheError, naming the architecture and the cache layers, when the target's cache holds a kind of layer
+    this module does not handle (an indexer cache, a compressed one, ...): refused at load, never a wrong output."""
+    odd = sorted({type(layer).__name__ for layer in DynamicCache(config=model.config).layers
+                  if type(layer) not in HANDLED})
+    if odd:
+        raise CacheError(f"{type(model).__name__}: its cache layers {', '.join(odd)} are not handled by "
+                         f"models/cache.py (handled: {', '.join(c.__name__ for c in HANDLED)})")
 
 
 def is_recurrent(model) -> bool:

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from dflash_pipeline.data.files import follow_umask
+from dflash_pipeline.models.cache import CacheError, check_supported
 from dflash_pipeline.models.precision import machine, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -287,6 +288,10 @@ def load_target(cfg, cache_dir: str | Path) -> Target:
         ref = cfg.path if cfg.kind == "hf" else f"{cfg.path}/{cfg.gguf_file}"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    try:
+        check_supported(model)
+    except CacheError as e:
+        raise TargetError(f"target {ref!r} is not supported: {e}") from e
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, ref=ref, numerics={"dtype": name, **why, "machine": machine()},
                   rollback=str(cfg.get("rollback", "record")))

@@ -22,14 +22,15 @@ import transformers
 from transformers import AutoTokenizer
 
 H, LAYERS = 64, 6
-# head_dim 32: the smallest head vLLM's CPU attention runs (the served eval loads these targets too)
+# head_dim 32: the smallest head vLLM's CPU attention runs, and its Gated DeltaNet wants multiples of 32 (the served
+# eval loads these targets too)
 COMMON = dict(hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=2,
               num_key_value_heads=1, head_dim=32, max_position_embeddings=4096)
 
 
 def _families() -> dict[str, tuple[str, str, dict]]:
     """name -> (config class, model class, config kwargs)."""
-    qwen35_text = dict(COMMON, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    qwen35_text = dict(COMMON, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
                        linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=3)
     gemma4_text = dict(COMMON, num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=16,
                        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,

@@ -308,3 +308,20 @@ def test_stored_logprobs_are_the_targets_own_distribution(family_dirs, family):
     expect = torch.log_softmax(out.logits[0, :-1].float(), -1).topk(4, -1)
     torch.testing.assert_close(stored["topk_logprobs"][1:], expect.values, atol=1e-4, rtol=1e-4)
     assert torch.equal(stored["topk_ids"][1:], expect.indices)
+
+
+def test_a_family_whose_cache_is_not_handled_is_refused_at_load(tmp_path):
+    """DeepSeek-V3.2's indexer cache is a layer kind models/cache.py does not handle: loading it as a target stops
+    with one line naming the architecture and the layer, before any stage runs."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    config = DeepseekV32Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=49152,
+                               intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                               num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                               qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1,
+                               tie_word_embeddings=True)
+    DeepseekV32ForCausalLM(config).save_pretrained(tmp_path / "v32")
+    tiny_target.AutoTokenizer.from_pretrained(tiny_target.smollm2_tokenizer()).save_pretrained(tmp_path / "v32")
+    cfg = make_config("target=hf", f"target.path={tmp_path / 'v32'}")
+    with pytest.raises(TargetError, match="DeepseekV32ForCausalLM: its cache layers DynamicIndexedLayer are not handled"):
+        load_target(cfg.target, cfg.cache_dir)
