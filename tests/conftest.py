@@ -123,3 +123,55 @@ def chi_square_p(counts, expected) -> float:
     e = torch.cat([expected[big], expected[~big].sum()[None]])
     o = torch.cat([counts[big], counts[~big].sum()[None]])
     return float(chi2.sf(float(((o - e) ** 2 / e).sum()), len(e) - 1))
+
+
+class Oracle:
+    """A decoding method that proposes the target's greedy continuation, each draft replaced by a wrong token with
+    probability `corrupt`: the expected accepted count of a round (`expected`) is the index of its first corrupted
+    draft, and rounds accept some drafts and reject the rest (every rollback length). With `tree`, each depth holds
+    the (possibly corrupted) draft and a wrong sibling in random order, as a draft tree."""
+
+    name = "oracle"
+
+    def __init__(self, continuation: list[int], block: int, vocab: int, corrupt: float = 0.0, seed: int = 0,
+                 tree: bool = False):
+        import torch
+
+        self.continuation, self.max_block_size, self.vocab, self.corrupt = continuation, block, vocab, corrupt
+        self.tree, self.layer_ids = tree, [1]
+        self.gen = torch.Generator().manual_seed(seed)
+        self.expected: list[int] = []
+
+    def start(self):
+        self.expected = []
+
+    def check(self, block_size, temperature):
+        pass
+
+    def propose(self, state, block_size, temperature=0.0, generator=None):
+        import torch
+
+        from dflash_pipeline.eval.protocol import Proposal
+        from dflash_pipeline.eval.tree import DraftTree
+
+        n = len(state.output)
+        drafts = list(self.continuation[n: n + block_size - 1])
+        drafts += [0] * (block_size - 1 - len(drafts))
+        expected = block_size - 1
+        for k in range(block_size - 1):
+            if float(torch.rand((), generator=self.gen)) < self.corrupt:
+                drafts[k] = (drafts[k] + 1) % self.vocab
+                expected = min(expected, k)
+        self.expected.append(expected)
+        if not self.tree:
+            return Proposal(torch.tensor(drafts))
+        tokens, parents, depths, parent = [], [], [], -1
+        for d, tok in enumerate(drafts):
+            pair = [tok, (tok + 7) % self.vocab]
+            if float(torch.rand((), generator=self.gen)) < 0.5:
+                pair.reverse()
+            for t in pair:
+                tokens.append(t), parents.append(parent), depths.append(d + 1)
+            parent = len(tokens) - (2 if pair[0] == tok else 1)
+        tree = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
+        return Proposal(tree.tokens, tree=tree)

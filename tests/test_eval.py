@@ -13,7 +13,6 @@ from dflash_pipeline.conf.schema import ConfigError
 from dflash_pipeline.conf.stages import config_hash
 from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import autoregressive, speculative
-from dflash_pipeline.eval.protocol import Proposal
 from dflash_pipeline.models.cache import crop as crop_cache
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, conditional_acceptance, offline_metrics, \
     recall_at_k, simulated_tau
@@ -22,7 +21,7 @@ from dflash_pipeline.eval.stage import EvalError, decode_context, run_eval, \
     run_online
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import generate
-from tests.conftest import chi_square_p, make_config, sampling_case
+from tests.conftest import Oracle, chi_square_p, make_config, sampling_case
 from dflash_pipeline.train.drafter import drafter_config
 
 TEXTS = ["Write a haiku about the sea.", "What is 12 times 7?", "List three prime numbers."]
@@ -56,37 +55,6 @@ def random_drafter(target):
     conf = drafter_config(make_config(), target, [1, 3])
     m = target.model
     return DFlashDrafter(conf, m.get_input_embeddings(), m.get_output_embeddings()).eval()
-
-
-class Oracle:
-    """A method that proposes the target's own greedy continuation; `corrupt` (prob) replaces a draft with a wrong
-    token, so the expected accepted count of a round is the index of its first corrupted draft."""
-
-    name = "oracle"
-
-    def __init__(self, continuation: list[int], block: int, vocab: int, corrupt: float = 0.0, seed: int = 0):
-        self.continuation, self.max_block_size, self.vocab, self.corrupt = continuation, block, vocab, corrupt
-        self.layer_ids = [1]
-        self.gen = torch.Generator().manual_seed(seed)
-        self.expected: list[int] = []
-
-    def start(self):
-        self.expected = []
-
-    def check(self, block_size, temperature):
-        pass
-
-    def propose(self, state, block_size, temperature=0.0, generator=None):
-        n = len(state.output)
-        drafts = list(self.continuation[n: n + block_size - 1])
-        drafts += [0] * (block_size - 1 - len(drafts))
-        expected = block_size - 1
-        for k in range(block_size - 1):
-            if float(torch.rand((), generator=self.gen)) < self.corrupt:
-                drafts[k] = (drafts[k] + 1) % self.vocab
-                expected = min(expected, k)
-        self.expected.append(expected)
-        return Proposal(torch.tensor(drafts))
 
 
 # -- greedy exactness --------------------------------------------------------------------------------------------

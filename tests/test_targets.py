@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from dflash_pipeline.eval.decode import autoregressive, speculative
-from dflash_pipeline.eval.protocol import Proposal
 from dflash_pipeline.eval.tree import DDTreeMethod, DraftTree, check_target, verify_tree
 from dflash_pipeline.models import cache as target_cache
 from dflash_pipeline.models.drafter import DFlashDrafter
-from dflash_pipeline.models.generation import capture, generate
+from dflash_pipeline.models.generation import capture, generate_capturing
 from dflash_pipeline.models.target import TargetError, load_target, tapped
 from dflash_pipeline.train.drafter import drafter_config
 
-from conftest import ROOT, chat_prompt_ids, make_config
+from conftest import ROOT, Oracle, chat_prompt_ids, make_config
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import tiny_target  # noqa: E402
@@ -55,46 +54,6 @@ def reference(target, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-class Oracle:
-    """Proposes the target's greedy continuation with drafts corrupted at random (so rounds accept some drafts and
-    reject the rest: every rollback length is exercised); with `tree`, each depth holds the right token and a wrong
-    sibling, in random order, as a draft tree."""
-
-    name = "oracle"
-
-    def __init__(self, continuation: list[int], block: int, vocab: int, corrupt: float, tree: bool = False):
-        self.continuation, self.max_block_size, self.vocab, self.corrupt = continuation, block, vocab, corrupt
-        self.tree, self.layer_ids = tree, [1]
-        self.gen = torch.Generator().manual_seed(0)
-        self.accepted_any = False
-
-    def start(self):
-        pass
-
-    def check(self, block_size, temperature):
-        pass
-
-    def propose(self, state, block_size, temperature=0.0, generator=None):
-        n = len(state.output)
-        drafts = list(self.continuation[n: n + block_size - 1])
-        drafts += [0] * (block_size - 1 - len(drafts))
-        for k in range(len(drafts)):
-            if float(torch.rand((), generator=self.gen)) < self.corrupt:
-                drafts[k] = (drafts[k] + 1) % self.vocab
-        if not self.tree:
-            return Proposal(torch.tensor(drafts))
-        tokens, parents, depths, parent = [], [], [], -1
-        for d, tok in enumerate(drafts):
-            pair = [tok, (tok + 7) % self.vocab]
-            if float(torch.rand((), generator=self.gen)) < 0.5:
-                pair.reverse()
-            for t in pair:
-                tokens.append(t), parents.append(parent), depths.append(d + 1)
-            parent = len(tokens) - (2 if pair[0] == tok else 1)
-        tree = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
-        return Proposal(tree.tokens, tree=tree)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_teacher_and_exact_loop(family_dirs, family):
     """Continuous batching (rows admitted and finishing at different steps), the autoregressive loop and speculative
@@ -106,9 +65,13 @@ def test_family_teacher_and_exact_loop(family_dirs, family):
     assert len(prompts[-1]) > 16  # longer than the sliding windows of the configs
     n = 24
     refs = [reference(target, p, n) for p in prompts]
-    replies = generate(target.model, prompts, max_new_tokens=n, eos_ids=target.eos_ids,
-                       pad_id=target.tokenizer.pad_token_id, batch_size=2)
+    replies, captured = generate_capturing(target.model, prompts, [1, 3], max_new_tokens=n, eos_ids=target.eos_ids,
+                                           pad_id=target.tokenizer.pad_token_id, batch_size=2)
     assert replies == refs
+    # the features kept as generation computed them equal one prefill over prompt + reply (the separate capture)
+    again = capture(target.model, [p + r for p, r in zip(prompts, refs)], [1, 3], pad_id=target.tokenizer.pad_token_id)
+    for c, a in zip(captured, again):
+        torch.testing.assert_close(c["features"], a["features"], atol=2e-4, rtol=2e-4)
     assert autoregressive(target, prompts[-1], n)[0] == refs[-1]
     recurrent = target_cache.is_recurrent(target.model)
     assert recurrent == (family in RECURRENT)
