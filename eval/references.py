@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.models.generation import generate
-from dflash_pipeline.models.target import Target
+from dflash_pipeline.models.target import Target, final_norm
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def target_fingerprint(target: Target) -> str:
     model = target.model
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     h = hashlib.sha256(f"{target.ref}|{emb.dtype}|{tuple(emb.shape)}".encode())
-    for w in (emb, head, *(p for p in model.model.norm.parameters())):
+    for w in (emb, head, *(p for p in final_norm(model).parameters())):
         h.update(w.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from dflash_pipeline.models import cache as target_cache
-from dflash_pipeline.models.target import output_logits, tapped
+from dflash_pipeline.models.target import final_norm, output_logits, tapped
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None):
@@ -231,7 +231,7 @@ def capture(
         ids[r, : len(s)] = torch.tensor(s, device=device)
         mask[r, : len(s)] = 1
     seen: list[torch.Tensor] = []
-    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0])) if prenorm_final else None
+    hook = final_norm(model).register_forward_pre_hook(lambda _m, args: seen.append(args[0])) if prenorm_final else None
     try:
         out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     finally:

@@ -85,6 +85,19 @@ def config_value(config, name: str, default=None):
         return getattr(config.per_layer_config[layer], name, default)
 
 
+FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "embedding_norm")  # Llama-likes, Nemotron-H, Falcon-H1, LFM2
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The target's final norm (its output is the last hidden state the LM head reads), by the families' names."""
+    for name in FINAL_NORMS:
+        norm = getattr(model.model, name, None)
+        if norm is not None:
+            return norm
+    raise TargetError(f"{type(model).__name__}: no final norm among {', '.join(FINAL_NORMS)} of its decoder "
+                      "(models/target.py FINAL_NORMS)")
+
+
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The target's logits from its final hidden states as its own forward computes them: the LM head, then the
     family's output transforms (Granite's logits_scaling, Falcon-H1's lm_head_multiplier, Gemma's final soft-capping).

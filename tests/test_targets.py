@@ -15,7 +15,7 @@ from dflash_pipeline.eval.tree import DDTreeMethod, DraftTree, check_target, ver
 from dflash_pipeline.models import cache as target_cache
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import capture, generate_capturing
-from dflash_pipeline.models.target import TargetError, load_target, tapped
+from dflash_pipeline.models.target import TargetError, final_norm, load_target, tapped
 from dflash_pipeline.train.drafter import drafter_config
 
 from conftest import ROOT, Oracle, chat_prompt_ids, make_config
@@ -124,10 +124,11 @@ def test_trees_are_refused_at_once_on_recurrent_targets(family_dirs):
         target_cache.crop(cache, 2)
 
 
-@pytest.mark.parametrize("family", ["gemma4", "qwen3_5_vl", "nemotron_h", "deepseek_v3"])
-def test_drafter_shape_and_taps_per_family(family_dirs, family):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafter_shape_taps_and_final_norm_per_family(family_dirs, family):
     """The drafter's shape comes from the text decoder's config (per-layer values from a full-attention layer; an
-    image-text wrapper's language model), and the captured features are the tapped decoder layers' outputs."""
+    image-text wrapper's language model), the captured features are the tapped decoder layers' outputs, and the
+    family's final norm (found by its name) turns the last layer's output into the rows the LM head reads."""
     cfg, target = family_target(family_dirs, family)
     conf = drafter_config(cfg, target, [1, 3])
     assert conf.target_hidden_size == target.hidden_size == 64
@@ -136,10 +137,12 @@ def test_drafter_shape_and_taps_per_family(family_dirs, family):
     if family == "gemma4":
         assert conf.head_dim == 64  # the full-attention layers' (the sliding ones have 32)
     seq = chat_prompt_ids(target.tokenizer, TEXTS[:1])[0]
-    feats = capture(target.model, [seq], [1, 3], pad_id=target.tokenizer.pad_token_id)[0]["features"]
+    got = capture(target.model, [seq], [1, 3], pad_id=target.tokenizer.pad_token_id, final=True,
+                  prenorm_final=True)[0]
     hs = target.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
-    torch.testing.assert_close(feats, tapped(hs, [1, 3])[0])
-    torch.testing.assert_close(feats[:, 64:], hs[4][0])  # layer 3 = hidden_states[4]
+    torch.testing.assert_close(got["features"], tapped(hs, [1, 3])[0])
+    torch.testing.assert_close(got["features"][:, 64:], hs[4][0])  # layer 3 = hidden_states[4]
+    torch.testing.assert_close(final_norm(target.model)(got["prenorm_final_hidden"]), got["final_hidden"])
 
 
 def test_a_target_folder_missing_weights_is_refused(family_dirs, tmp_path):

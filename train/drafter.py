@@ -23,7 +23,7 @@ from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
-from dflash_pipeline.models.target import Target, config_value, text_config
+from dflash_pipeline.models.target import Target, config_value, final_norm, text_config
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
@@ -110,7 +110,7 @@ def init_from_target(drafter: DFlashDrafter, target_model) -> None:
                         raise TrainError(f"drafter.init=target needs the target's layer shapes: {name} is "
                                          f"{tuple(p.shape)} here, {tuple(theirs[name].shape)} in the target")
                     p.copy_(theirs[name])
-        drafter.norm.weight.copy_(target_model.model.norm.weight)
+        drafter.norm.weight.copy_(final_norm(target_model).weight)
 
 
 class DrafterWithSelector(torch.nn.Module):
