@@ -245,6 +245,15 @@ def compare(served: dict, prompts: list[dict], own_rounds: list[list[int]], own_
                    summed([served["counters"][i] for i in gated], drafts_per_round), dtype, tolerance, outputs_ok,
                    served_contract, own_contract)
     verdict["prompts_compared"] = len(gated)
+    plain_off = [w for w in wrong if w["run"] == "vLLM plain"]
+    if plain_off and not verdict["pass"]:  # the engine decodes the target itself differently: no drafter key to blame
+        first = min(w["position"] for w in plain_off)
+        verdict["line"] = (verdict["line"].split("; likely contract key:")[0]
+                           + f"; cause: the engine's plain decoding (no drafter) already differs from the target's "
+                             f"own on {len(plain_off)} of {len(prompts)} prompts, from output position {first}: the "
+                             "engine runs this target differently (its model code or kernels), not a drafter "
+                             "contract key")
+        verdict["likely_keys"] = []
     if len(gated) < len(prompts):
         verdict["line"] += f" (on the {len(gated)} of {len(prompts)} prompts whose decodes took the same tokens)"
     rs, ro = rates(counts_served), rates(counts_own)

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", help="a tokenizer folder (default: the embedded SmolLM2 target's)")
     p.add_argument("--std", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head-dim", type=int, help="attention head size (default 32; vLLM's CPU bf16 attention wants more)")
     p.add_argument("--list", action="store_true", help="print the families and exit")
     a = p.parse_args(argv)
     if a.list or not a.family:
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not a.out:
         p.error("give the output folder")
+    if a.head_dim:
+        COMMON["head_dim"] = a.head_dim
+        FAMILIES.update(_families())
     print(build(a.family, a.out, a.tokenizer or smollm2_tokenizer(), std=a.std, seed=a.seed))
 
 

@@ -92,6 +92,28 @@ def test_reduced_precision_gate_compares_the_prompts_that_took_the_same_tokens()
     assert not served.compare(*args, "float32", *rest)["gate"]["pass"]  # float32: every prompt, and no near-ties
 
 
+def test_a_target_the_engine_decodes_differently_is_named_as_the_cause():
+    """When the engine's plain decoding (no drafter) already differs from the target's own, the failed gate says the
+    engine runs the target differently instead of naming a drafter contract key (seen with gpt-oss on vLLM's CPU
+    build, docs/targets.md)."""
+    from dflash_pipeline.eval.exactness import IDENTICAL, WRONG, Verdict, first_mismatch
+
+    class Judge:
+        def classify(self, prompt_ids, reference, other):
+            pos = first_mismatch(reference, other)
+            return Verdict(IDENTICAL) if pos is None else Verdict(WRONG, pos, {})
+
+    prompts = [{"id": "a", "prompt_ids": [1]}]
+    ar = [[5, 6, 7, 8]]
+    vllm = {"outputs_plain": [[9, 6, 7, 8]], "outputs_spec": [[9, 6, 7, 8]],
+            "counters": [{"drafts": 3, "accepted": 1, "accepted_per_pos": [1, 0, 0]}]}
+    out = served.compare(vllm, prompts, [[0, 0, 0, 0]], ar, ar, 3, "float32", Judge(), 0.02, {}, {}, [0.0] * 3,
+                         [0.0] * 3)
+    line = out["gate"]["line"]
+    assert line.startswith("PARITY FAILED") and "engine's plain decoding" in line and "from output position 0" in line
+    assert "likely contract key" not in line and out["gate"]["likely_keys"] == []
+
+
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, target):
     """A draft-vocabulary export of a tiny drafter and the drafter the own loop would run."""
