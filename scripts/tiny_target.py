@@ -30,7 +30,8 @@ COMMON = dict(hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS, nu
 
 def _families() -> dict[str, tuple[str, str, dict]]:
     """name -> (config class, model class, config kwargs)."""
-    qwen35_text = dict(COMMON, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    qwen35_text = dict(COMMON, linear_conv_kernel_dim=4, linear_key_head_dim=COMMON["head_dim"],
+                       linear_value_head_dim=COMMON["head_dim"],
                        linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=3)
     gemma4_text = dict(COMMON, num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=16,
                        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", help="a tokenizer folder (default: the embedded SmolLM2 target's)")
     p.add_argument("--std", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--head-dim", type=int, help="attention head size (default 32; vLLM's CPU bf16 attention wants more)")
+    p.add_argument("--head-dim", type=int, help="attention and linear-attention head size (default 32; vLLM's CPU bf16 kernels want more)")
     p.add_argument("--list", action="store_true", help="print the families and exit")
     a = p.parse_args(argv)
     if a.list or not a.family:
