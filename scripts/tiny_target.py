@@ -73,6 +73,7 @@ def _families() -> dict[str, tuple[str, str, dict]]:
                         dict(COMMON, num_key_value_heads=2, head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
                              qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                              n_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1,
+                             topk_method="noaux_tc",  # as DeepSeek-V3 checkpoints say (vLLM reads it)
                              topk_group=1)),
         "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", gemma4_text),
     }
