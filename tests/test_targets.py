@@ -291,3 +291,31 @@ def test_a_family_whose_cache_is_not_handled_is_refused_at_load(tmp_path):
     cfg = make_config("target=hf", f"target.path={tmp_path / 'v32'}")
     with pytest.raises(TargetError, match="DeepseekV32ForCausalLM: its cache layers DynamicIndexedLayer are not handled"):
         load_target(cfg.target, cfg.cache_dir)
+
+
+SERVED = ["qwen3", "qwen3_moe", "gemma4"]  # the families vLLM's CPU build serves as DFlash targets (docs/targets.md)
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_served_eval_and_gate_on_the_family(family_dirs, family, tmp_path):
+    """Where vLLM's CPU build serves a family as the drafter's target, the served eval runs on it and the parity gate
+    passes: served outputs exact, the same drafts accepted and rejected as in the own loop."""
+    import json
+    import os
+    import subprocess
+
+    from test_served import vllm_missing
+
+    if vllm_missing():
+        pytest.skip(vllm_missing())
+    run = tmp_path / "run"
+    done = subprocess.run(["dflash-pipeline", "experiment=tiny", "target=hf", f"target.path={family_dirs(family)}",
+                           f"hydra.run.dir={run}", "eval.methods=[chain]", "pipeline.components=[]",
+                           "eval.served.engine=vllm"], env=dict(os.environ, WANDB_MODE="offline"),
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = json.loads((run / "eval" / "eval_results.json").read_text())["served"]
+    assert served["pass"] and served["dtype"] == "float32"
+    for label, r in served["sets"].items():
+        assert r["gate"]["pass"] and not r["wrong"], (family, label)
+        assert r["counters_served"] == r["counters_own"], (family, label)
