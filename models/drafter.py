@@ -33,11 +33,10 @@ from dflash_pipeline.data.files import save_safetensors, write_text
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Tapped target layers (docs/methods.md, 'Tapped layers'): the middle layer for one tap, else spread over
-    layers 1 .. L-3."""
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+    """Tapped target layers (docs/methods.md, 'Tapped layers'): the teacher's spacing (models/target.py), one rule."""
+    from dflash_pipeline.models.target import default_layer_ids
+
+    return default_layer_ids(num_target_layers, num_taps)
 
 
 @dataclass
