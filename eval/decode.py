@@ -120,9 +120,10 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     """Speculative decoding of one prompt. drafter: a DFlashDrafter (run as the "chain" method) or a method object.
 
     Greedy output equals `autoregressive`'s token for token; with temperature > 0 it is distributed as the
-    target's own samples. rollback: how a recurrent target's state goes back after a rejection (models/cache.py
-    Rollback; attention targets crop); None: the target's own setting (target.rollback). A round verifies the anchor and the drafts the method proposed (at most B-1). Stops after an EOS id (kept; an EOS among accepted drafts ends the output there) or at
-    exactly max_new_tokens.
+    target's own samples. A round verifies the anchor and the drafts the method proposed (at most B-1). Stops after
+    an EOS id (kept; an EOS among accepted drafts ends the output there) or at exactly max_new_tokens.
+    rollback: how a recurrent target's state goes back after a rejection (models/cache.py Rollback; attention
+    targets crop); None: the target's own setting (target.rollback).
     """
     method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
     B = block_size or method.max_block_size
@@ -173,7 +174,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
                 n, next_anchor = _accept_greedy(drafts, logits)
             else:
                 n, next_anchor = _accept_sampling(drafts, prop.q.to(device), logits, temperature, generator)
-            # keep anchor + accepted drafts (a recurrent target's state too: eval.rollback)
+            # keep anchor + accepted drafts (a recurrent target's state too: target.rollback)
             rollback.after(cache, L + n + 1, ids[:, : n + 1], positions[:, : n + 1])
             accepted, verifier_hidden = drafts[:n].tolist(), final[n]
         res.target_forwards += 1

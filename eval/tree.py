@@ -89,12 +89,24 @@ def tree_attention_mask(parents: torch.Tensor, L: int, dtype: torch.dtype, devic
     return mask.to(device)[None, None]
 
 
+TREE_LAYER_TYPES = {"full_attention", "sliding_attention"}  # the layer types tree_masks builds a mask for
+
+
+def untreeable_layer_types(model) -> list[str]:
+    """The target's layer types a tree mask cannot be built for (e.g. chunked attention)."""
+    types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or [])
+    return sorted(types - TREE_LAYER_TYPES)
+
+
 def tree_masks(model, tree: "DraftTree", L: int, device) -> torch.Tensor | dict[str, torch.Tensor]:
     """The tree mask a target's forward takes: one tensor, or for targets with sliding-window layers one per layer
     type (transformers' models take {layer type: mask}), the sliding one with the window applied."""
     config = model.config.get_text_config(decoder=True)
     full = tree_attention_mask(tree.parents.cpu(), L, model.dtype, device)
     types = set(getattr(config, "layer_types", None) or [])
+    if untreeable_layer_types(model):  # never a tree verified under the wrong mask
+        raise ValueError(f"tree verification builds masks for full and sliding attention only; {type(model).__name__} "
+                         f"has {', '.join(untreeable_layer_types(model))} layers: use a chain method")
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" not in types or not window:
         return full
@@ -295,9 +307,15 @@ def ddtree_of_logits(logits: torch.Tensor, drafter, budget: int) -> DraftTree:
 def check_target(method, model) -> None:
     """Refuse a tree method at once on a target whose cache cannot be cut to a tree path (recurrent layers keep one
     state for the whole tree), before any decoding: never a silent wrong state."""
-    if isinstance(method, TreeMethod) and target_cache.is_recurrent(model):
+    if not isinstance(method, TreeMethod):
+        return
+    if target_cache.is_recurrent(model):
         raise ValueError(f"{method.name} verifies draft trees, which need a state per branch; the recurrent target "
                          f"{type(model).__name__} keeps one per sequence: use a chain method (chain, selector_greedy, ...)")
+    if untreeable_layer_types(model):
+        raise ValueError(f"{method.name} verifies draft trees under masks for full and sliding attention only; "
+                         f"{type(model).__name__} has {', '.join(untreeable_layer_types(model))} layers: use a chain "
+                         "method")
 
 
 class TreeMethod(ChainMethod):

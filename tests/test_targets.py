@@ -332,3 +332,15 @@ def test_tap_spacing_on_shallow_targets_picks_distinct_layers():
     assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # deep enough: the DFlash spacing, unchanged
     assert all(default_target_layer_ids(L, n) == default_layer_ids(L, n) for L in range(2, 40) for n in range(1, 6)
                if n <= L)
+
+
+def test_trees_are_refused_on_layer_types_without_a_tree_mask(family_dirs):
+    """A layer type tree_masks builds no mask for (chunked attention, as in Llama 4) stops a tree method before any
+    decoding instead of verifying the tree under the wrong mask."""
+    cfg, target = family_target(family_dirs, "qwen3")
+    drafter = DFlashDrafter(drafter_config(cfg, target, [1, 3]), target.model.get_input_embeddings(),
+                            target.model.get_output_embeddings()).eval()
+    check_target(DDTreeMethod(drafter, 4), target.model)  # full attention only: fine
+    target.model.config.layer_types = ["full_attention", "chunked_attention"] * 3
+    with pytest.raises(ValueError, match="has chunked_attention layers: use a chain method"):
+        check_target(DDTreeMethod(drafter, 4), target.model)
