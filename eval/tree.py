@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
 from dflash_pipeline.eval.protocol import ChainMethod, Proposal, RoundState, drafter_blocks, sync
 from dflash_pipeline.models import cache as target_cache
-from dflash_pipeline.models.target import tapped
+from dflash_pipeline.models.target import tapped, text_config
 
 DENSE_MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that honour a custom 4D float mask
 
@@ -94,14 +94,14 @@ TREE_LAYER_TYPES = {"full_attention", "sliding_attention"}  # the layer types tr
 
 def untreeable_layer_types(model) -> list[str]:
     """The target's layer types a tree mask cannot be built for (e.g. chunked attention)."""
-    types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or [])
+    types = set(getattr(text_config(model), "layer_types", None) or [])
     return sorted(types - TREE_LAYER_TYPES)
 
 
 def tree_masks(model, tree: "DraftTree", L: int, device) -> torch.Tensor | dict[str, torch.Tensor]:
     """The tree mask a target's forward takes: one tensor, or for targets with sliding-window layers one per layer
     type (transformers' models take {layer type: mask}), the sliding one with the window applied."""
-    config = model.config.get_text_config(decoder=True)
+    config = text_config(model)
     full = tree_attention_mask(tree.parents.cpu(), L, model.dtype, device)
     types = set(getattr(config, "layer_types", None) or [])
     if untreeable_layer_types(model):  # never a tree verified under the wrong mask

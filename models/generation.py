@@ -106,7 +106,8 @@ class ContinuousBatch:
         least) and merge the rows that go on into the running batch."""
         device, prompts = self.model.device, self.prompts
         new = [self.queue.pop()]
-        while self.queue and not self.prefill_alone and len(new) < self.free() and (len(new) + 1) * len(prompts[self.queue[-1]]) \
+        while self.queue and not self.prefill_alone and len(new) < self.free() \
+                and (len(new) + 1) * len(prompts[self.queue[-1]]) \
                 <= self.prefill_tokens:
             new.append(self.queue.pop())
         ids, new_mask = _left_pad([prompts[r] for r in new], self.pad_id, device)
