@@ -253,6 +253,14 @@ class DrafterConfig:
     # The attention kernel (models/drafter.py ATTENTION_FUNCTIONS): eager = plain matmul + softmax, the reference;
     # sdpa = torch's scaled_dot_product_attention (fused kernels on GPU). Not part of the export.
     attn_implementation: Attention = Attention.sdpa
+    # DFlash2's grouped dynamic convolution around each layer's attention and MLP (docs/methods.md, 'DFlash2
+    # convolution'): taps over the block's positions, 0 = off (the DFlash drafter exactly); channels share a per-token
+    # coefficient in groups of conv_group_size (must divide the hidden size). Exported as DFlash2DraftModel.
+    conv_kernel_size: int = ranged(0, ge=0)
+    conv_group_size: int = ranged(32, ge=1)
+    # Start from a trained drafter's export folder (e.g. runs/<name>/train/export) instead of drafter.init: its
+    # weights, same shape; a convolution the export lacks starts at the identity (a DFlash -> DFlash2 fine-tune)
+    init_from: Optional[str] = None
 
 
 @dataclass

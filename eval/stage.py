@@ -498,13 +498,18 @@ def numerics(target: Target, teacher_dir: Path, tolerance: float) -> dict:
 
 
 def drafter_difference(export: Path, drafter_dir: Path) -> str | None:
-    """How a component's export differs from the drafter it should carry unchanged (None: it carries it)."""
+    """How a component's export differs from the drafter it should carry unchanged (None: it carries it). A DFlash2
+    drafter's pass-through selector is not the drafter's: a trained selector replaces it."""
     from safetensors import safe_open
+
+    from dflash_pipeline.models.selector import SELECTOR_PREFIX
 
     with safe_open(str(drafter_dir / "model.safetensors"), "pt") as base, \
             safe_open(str(export / "model.safetensors"), "pt") as comp:
         own = set(comp.keys())
         for key in base.keys():
+            if key.startswith(SELECTOR_PREFIX):
+                continue
             if key not in own:
                 return f"no tensor {key}"
             if not torch.equal(base.get_tensor(key), comp.get_tensor(key)):

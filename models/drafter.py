@@ -7,6 +7,10 @@ The drafter drafts a whole block of B tokens in one forward. Its queries are the
 applied to the fused target context AND to the block, concatenated [context | block]. The block attends to itself
 bidirectionally. The final hidden goes through the target's frozen LM head.
 
+DFlash2 (`conv_kernel_size` > 0) wraps each layer's attention and MLP in a `GroupedConv`: a convolution over the
+block's positions, causal within the block, that gives a drafted position the block tokens before it in a fixed
+order (the serial dependence a bidirectional block lacks). Exported as `DFlash2DraftModel` (docs/export.md).
+
 Two paths share the same layers:
 - `forward_packed`: training; all anchor blocks of a sequence in one forward, separated by `packed_attention_mask`.
 - `forward_step`: inference; the projected context K/V live in a `DrafterCache`, the block's own K/V are not kept.
@@ -30,6 +34,7 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qw
                                                       rotate_half)
 
 from dflash_pipeline.data.files import save_safetensors, write_text
+from dflash_pipeline.models.selector import PASS_THROUGH, SELECTOR_PREFIX, pass_through_tensors
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -62,9 +67,18 @@ class DFlashDrafterConfig:
     # context K/V of a layer are the same on every pass, so they are projected and cached once). Exported unrolled,
     # as num_hidden_layers x layer_repeats layers of copied weights: engines load an ordinary deeper drafter.
     layer_repeats: int = 1
+    # DFlash2's grouped dynamic convolution (GroupedConv): taps over the block's positions, 0 = off (plain DFlash);
+    # channels share a per-token coefficient in groups of conv_group_size
+    conv_kernel_size: int = 0
+    conv_group_size: int = 32
 
     def __post_init__(self):
         attention_function(self.attn_implementation)
+        if self.conv_kernel_size < 0:
+            raise ValueError(f"conv_kernel_size must be 0 (off) or a number of taps, got {self.conv_kernel_size}")
+        if self.conv_kernel_size and (self.conv_group_size < 1 or self.hidden_size % self.conv_group_size):
+            raise ValueError(f"conv_group_size {self.conv_group_size} must divide the drafter's hidden_size "
+                             f"{self.hidden_size} (drafter.conv_group_size)")
         if self.layer_repeats < 1:
             raise ValueError(f"layer_repeats must be at least 1, got {self.layer_repeats}")
         if not self.target_layer_ids:
@@ -77,9 +91,14 @@ class DFlashDrafterConfig:
             raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
 
     def to_dict(self) -> dict:
-        """The config.json that serving engines load (docs/export.md); a weight-tied stack is written unrolled."""
+        """The config.json that serving engines load (docs/export.md); a weight-tied stack is written unrolled, a
+        convolution drafter as DFlash2 (its selector keys come with the selector's tensors: export_tensors)."""
+        dflash_config = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.conv_kernel_size:
+            dflash_config.update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                                 input_embedding_scale=1.0, output_multiplier=1.0, **PASS_THROUGH)
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DFlash2DraftModel" if self.conv_kernel_size else "DFlashDraftModel"],
             "model_type": "qwen3",
             "num_hidden_layers": self.num_hidden_layers * self.layer_repeats,
             "hidden_size": self.hidden_size,
@@ -96,7 +115,7 @@ class DFlashDrafterConfig:
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "target_hidden_size": self.target_hidden_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash_config,
             "hidden_act": "silu",
             "attention_bias": False,
         }
@@ -107,9 +126,10 @@ class DFlashDrafterConfig:
         nested = d["dflash_config"]
         values = {f.name: d[f.name] for f in fields(cls)
                   if f.name not in ("target_layer_ids", "mask_token_id", "rope_scaling", "attn_implementation",
-                                    "layer_repeats")}
+                                    "layer_repeats", "conv_kernel_size", "conv_group_size")}
+        conv = {k: nested[k] for k in ("conv_kernel_size", "conv_group_size") if k in nested}
         return cls(**values, rope_scaling=d.get("rope_scaling"), target_layer_ids=list(nested["target_layer_ids"]),
-                   mask_token_id=nested["mask_token_id"])
+                   mask_token_id=nested["mask_token_id"], **conv)
 
     def qwen3_config(self) -> Qwen3Config:
         """The transformers config that builds the Qwen3 modules (MLP, rotary with the target's rope parameters)."""
@@ -192,8 +212,59 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(Bt, Q, self.num_heads * self.head_dim))
 
 
+class GroupedConv(nn.Module):
+    """DFlash2's grouped dynamic convolution around one sublayer, over the positions of each block (the DFlash2
+    checkpoint's `attention_conv` / `mlp_conv`). Output at block position p, channel c in group g:
+
+        sum over taps t with t <= p of (base_kernel[side, t, c] + delta[p, side, t, g]) * x[p - t, c]
+
+    tap 0 the position itself; a position never sees a later one or another block. The per-token deltas are
+    `kernel_projection` of the sublayer's input, both sides' from that one input: side 0 convolves the input
+    (`prepare`), side 1 the sublayer's output (`finish`). Starts as the identity (base tap 0 = 1, the rest and the
+    projection 0), so a convolution drafter begins as the DFlash drafter it wraps.
+
+    Blocks are laid out one after another along the sequence axis, starting at 0: position = index % block_size.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        """x (..., T, H) blocks in a row; delta (..., T, taps, G) -> (..., T, H)."""
+        T = x.shape[-2]
+        xs = x.unflatten(-1, (self.num_groups, self.group_size))  # (..., T, G, gs)
+        base = self.base_kernel[side].view(self.kernel_size, self.num_groups, self.group_size)
+        out = (base[0] + delta[..., 0, :, None]) * xs
+        position = torch.arange(T, device=x.device) % self.block_size
+        for t in range(1, min(self.kernel_size, T)):
+            shifted = F.pad(xs[..., :-t, :, :], (0, 0, 0, 0, t, 0))  # x[p - t] at p (zeros before the row's start)
+            seen = (position >= t).view(T, 1, 1).to(x.dtype)  # not across a block's start
+            out = out + (base[t] + delta[..., t, :, None]) * shifted * seen
+        return out.flatten(-2)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sublayer's input x (..., T, H) -> (x convolved, the output side's deltas (..., T, taps, G))."""
+        delta = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.num_groups))
+        return self.convolve(x, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self.convolve(y, delta, 1)
+
+
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm layer. The context is not normed here: it was normed once by hidden_norm and enters as K/V only."""
+    """Pre-norm layer. The context is not normed here: it was normed once by hidden_norm and enters as K/V only.
+    DFlash2: the block's hidden goes through a GroupedConv before and after each sublayer (the context does not)."""
 
     def __init__(self, config: DFlashDrafterConfig):
         super().__init__()
@@ -201,10 +272,20 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3MLP(config.qwen3_config())
+        if config.conv_kernel_size:
+            conv = (config.hidden_size, config.conv_kernel_size, config.conv_group_size, config.block_size)
+            self.attention_conv, self.mlp_conv = GroupedConv(*conv), GroupedConv(*conv)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, context_k, context_v, cos, sin, mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))  # (Bt, Q, H)
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))  # (Bt, Q, H)
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, context_k, context_v, cos, sin, mask), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 
 def packed_attention_mask(anchor_pos: torch.Tensor, num_context: int, block_size: int,
@@ -287,11 +368,13 @@ class DFlashDrafter(nn.Module):
         self.apply(self._init_weights)
 
     @staticmethod
-    def _init_weights(module: nn.Module):
+    def _init_weights(module: nn.Module):  # apply() visits children first: a GroupedConv resets its projection after
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
         elif isinstance(module, Qwen3RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, GroupedConv):
+            module.reset_parameters()
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -317,6 +400,9 @@ class DFlashDrafter(nn.Module):
             raise ValueError("the draft vocabulary must be a non-empty 1-D tensor of distinct target token ids")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must lie in 0 .. {self.config.vocab_size - 1}")
+        if self.config.conv_kernel_size and len(ids) < self.config.vocab_size:
+            raise ValueError("a DFlash2 (convolution) drafter drafts over the full vocabulary (vLLM's DFlash2 scores "
+                             "candidates over all of it): unset trainer.draft_vocab_size or drafter.conv_kernel_size")
         self.draft_to_target = ids
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
@@ -431,6 +517,8 @@ class DFlashDrafter(nn.Module):
         `lm_head.weight` (Vd, H), the target's LM-head rows the drafter was trained against, in the head's dtype;
         `d2t` (Vd,) int64 offsets, target id = draft id + d2t[draft id]; and config.json `draft_vocab_size` = Vd.
         A draft vocabulary that covers the whole target vocabulary is exported as the full vocabulary.
+        DFlash2 (the convolution): also the selector that scores nothing (models/selector.py PASS_THROUGH), which a
+        trained selector's export replaces; vLLM's DFlash2 drafts over the full vocabulary only (refused otherwise).
         """
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "draft_to_target"}
         L, stack = len(self.layers), [k.split(".", 2)[1:] for k in tensors if k.startswith("layers.")]
@@ -438,6 +526,11 @@ class DFlashDrafter(nn.Module):
             for i, rest in stack:
                 tensors[f"layers.{r * L + int(i)}.{rest}"] = tensors[f"layers.{i}.{rest}"].clone()
         ids = self.draft_to_target
+        if self.config.conv_kernel_size:
+            if ids is not None and len(ids) != self.config.vocab_size:
+                raise ValueError("a DFlash2 (convolution) drafter cannot be exported with a draft vocabulary: vLLM's "
+                                 "DFlash2 scores candidates over the full vocabulary; unset trainer.draft_vocab_size")
+            tensors.update(pass_through_tensors(self.config.vocab_size, self.config.hidden_size))
         if ids is None or len(ids) == self.config.vocab_size:
             return tensors, {}
         if self.lm_head.bias is not None:
@@ -469,7 +562,9 @@ class DFlashDrafter(nn.Module):
         with open(os.path.join(path, "config.json")) as f:
             config_dict = json.load(f)
         model = cls(DFlashDrafterConfig.from_dict(config_dict), embed_tokens, lm_head)
-        tensors = load_file(os.path.join(path, "model.safetensors"))
+        # a DFlash2 export's selector tensors are the selector's (load_selector), not the drafter's
+        tensors = {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+                   if not k.startswith(SELECTOR_PREFIX)}
         own = set(model.state_dict())
         vocab = model.config.vocab_size
         if config_dict.get("draft_vocab_size", vocab) != vocab:

@@ -27,6 +27,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# The DFlash2 checkpoint's selector tensors are named under this prefix (docs/export.md).
+SELECTOR_PREFIX = "candidate_selector."
+# A DFlash2 drafter exported without a trained selector carries one that scores nothing (zero codebooks): the
+# engine's walk over its top-2 then picks each position's argmax, the chain.
+PASS_THROUGH = {"selector_rank": 1, "selector_top_k": 2}
+
+
+def pass_through_tensors(vocab_size: int, hidden_size: int) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of the selector that scores nothing (PASS_THROUGH)."""
+    r = PASS_THROUGH["selector_rank"]
+    return {SELECTOR_PREFIX + "hidden_projection.weight": torch.zeros(r, hidden_size),
+            SELECTOR_PREFIX + "predecessor_codebook": torch.zeros(vocab_size, r),
+            SELECTOR_PREFIX + "successor_codebook": torch.zeros(vocab_size, r)}
+
+
 class PairSelector(nn.Module):
     """The selector's weights: state_dict keys `hidden_projection.weight` (r, H), `predecessor_codebook` (V, r) and
     `successor_codebook` (V, r), the DFlash2 checkpoint names without their `candidate_selector.` prefix.

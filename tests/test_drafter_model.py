@@ -29,16 +29,21 @@ def target_modules(seed=0):
     return embed, head
 
 
-def tiny_drafter(seed=0) -> DFlashDrafter:
+def tiny_drafter(seed=0, **changes) -> DFlashDrafter:
     embed, head = target_modules(seed)
     torch.manual_seed(seed + 1)
-    model = DFlashDrafter(tiny_config(), embed, head).eval()
-    # Larger weights than the 0.02 init so that every dependency shows up clearly in the outputs.
+    model = DFlashDrafter(tiny_config(**changes), embed, head).eval()
+    # Larger weights than the 0.02 init so that every dependency shows up clearly in the outputs (the convolution's
+    # base kernel too: at its identity init it would hide a wrong tap).
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:
                 p.normal_(std=0.3)
     return model
+
+
+# DFlash2's grouped convolution (3 taps, groups of 8 channels) on and off: every drafter property holds for both
+CONV = {"dflash": {}, "dflash2_conv": {"conv_kernel_size": 3, "conv_group_size": 8}}
 
 
 def inputs(Bc=1, Tc=12, anchors=((2, 6, 9),), seed=3):
@@ -99,9 +104,10 @@ def test_config_round_trip_ignores_extra_keys():
     assert DFlashDrafterConfig.from_dict({**d, "pipeline": {"anything": 1}}) == config
 
 
+@pytest.mark.parametrize("conv", sorted(CONV))
 @torch.no_grad()
-def test_no_leakage_between_blocks_or_from_the_future():
-    model = tiny_drafter()
+def test_no_leakage_between_blocks_or_from_the_future(conv):
+    model = tiny_drafter(**CONV[conv])
     features, block_ids, anchor_pos = inputs()  # anchors 2, 6, 9
     out = model.forward_packed(features, block_ids, anchor_pos)
 
@@ -124,9 +130,10 @@ def test_no_leakage_between_blocks_or_from_the_future():
     assert not torch.allclose(changed[0, 1], out[0, 1])
 
 
+@pytest.mark.parametrize("conv", sorted(CONV))
 @torch.no_grad()
-def test_packed_equals_one_block_at_a_time():
-    model = tiny_drafter()
+def test_packed_equals_one_block_at_a_time(conv):
+    model = tiny_drafter(**CONV[conv])
     features, block_ids, anchor_pos = inputs(Bc=2)
     packed = model.forward_packed(features, block_ids, anchor_pos)
     for j in range(anchor_pos.shape[1]):
@@ -134,9 +141,10 @@ def test_packed_equals_one_block_at_a_time():
         torch.testing.assert_close(packed[:, j:j + 1], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("conv", sorted(CONV))
 @torch.no_grad()
-def test_padding_does_not_change_real_blocks():
-    model = tiny_drafter()
+def test_padding_does_not_change_real_blocks(conv):
+    model = tiny_drafter(**CONV[conv])
     features, block_ids, anchor_pos = inputs(anchors=((2, 6),))
     out = model.forward_packed(features[:, :8], block_ids, anchor_pos)
     padded_features = torch.cat([features[:, :8], torch.randn(1, 4, N_TAPS * H)], dim=1)
@@ -149,9 +157,10 @@ def test_padding_does_not_change_real_blocks():
     assert torch.isfinite(padded).all()
 
 
+@pytest.mark.parametrize("conv", sorted(CONV))
 @torch.no_grad()
-def test_cache_step_equals_packed_recompute():
-    model = tiny_drafter()
+def test_cache_step_equals_packed_recompute(conv):
+    model = tiny_drafter(**CONV[conv])
     Bc = 2
     features, block_ids, _ = inputs(Bc=Bc, Tc=12, anchors=((0,),))
     cache = model.new_cache()
@@ -276,3 +285,80 @@ def test_device_and_dtype_moves():
     assert hidden.dtype == torch.float64 and torch.isfinite(model.logits(hidden)).all()
     model.to("meta")  # device moves carry the shared target modules along
     assert model.embed_tokens.weight.is_meta and model.lm_head.weight.is_meta
+
+
+# ---- DFlash2's grouped convolution ----
+
+def direct_conv(x, base, delta, block_size, group_size):
+    """The convolution written position by position: out[p, c] = sum over taps t <= p (within p's block) of
+    (base[t, c] + delta[p, t, c // group_size]) * x[p - t, c]."""
+    T, H = x.shape
+    out = torch.zeros_like(x)
+    for p in range(T):
+        for t in range(base.shape[0]):
+            if p % block_size >= t:
+                for c in range(H):
+                    out[p, c] += (base[t, c] + delta[p, t, c // group_size]) * x[p - t, c]
+    return out
+
+
+@torch.no_grad()
+def test_grouped_conv_is_causal_within_each_block_and_equals_the_direct_sum():
+    from dflash_pipeline.models.drafter import GroupedConv
+
+    torch.manual_seed(0)
+    conv = GroupedConv(hidden_size=8, kernel_size=3, group_size=4, block_size=4)
+    conv.base_kernel.normal_()
+    conv.kernel_projection.weight.normal_()
+    x, y = torch.randn(2, 12, 8), torch.randn(2, 12, 8)  # three blocks of 4 per row
+    h, delta = conv.prepare(x)
+    out = conv.finish(y, delta)
+    full = conv.kernel_projection(x).view(2, 12, 2, 3, 2)
+    for row in range(2):
+        torch.testing.assert_close(h[row], direct_conv(x[row], conv.base_kernel[0], full[row, :, 0], 4, 4))
+        torch.testing.assert_close(out[row], direct_conv(y[row], conv.base_kernel[1], full[row, :, 1], 4, 4))
+    later = y.clone()
+    later[:, 6] += 3.0  # block 1, position 2
+    changed = conv.finish(later, delta)
+    assert torch.equal(changed[:, :6], out[:, :6])  # earlier positions and the block before
+    assert not torch.allclose(changed[:, 6:8], out[:, 6:8])  # itself and the position after it in its block
+    assert torch.equal(changed[:, 8:], out[:, 8:])  # never the next block
+
+
+@torch.no_grad()
+def test_a_new_convolution_drafter_is_the_dflash_drafter_it_wraps():
+    plain = tiny_drafter()
+    embed, head = plain.embed_tokens, plain.lm_head
+    conv = DFlashDrafter(tiny_config(conv_kernel_size=3, conv_group_size=8), embed, head).eval()
+    missing, unexpected = conv.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all("_conv." in k for k in missing)
+    features, block_ids, anchor_pos = inputs()
+    assert torch.equal(conv.forward_packed(features, block_ids, anchor_pos),
+                       plain.forward_packed(features, block_ids, anchor_pos))
+
+
+def test_convolution_drafter_exports_as_dflash2_with_a_pass_through_selector(tmp_path):
+    model = tiny_drafter(conv_kernel_size=3, conv_group_size=8)
+    model.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    dc = config["dflash_config"]
+    assert (dc["conv_kernel_size"], dc["conv_group_size"], dc["selector_rank"], dc["selector_top_k"]) == (3, 8, 1, 2)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    conv_keys = {f"layers.{i}.{side}.{name}" for i in range(2) for side in ("attention_conv", "mlp_conv")
+                 for name in ("base_kernel", "kernel_projection.weight")}
+    selector_keys = {f"candidate_selector.{k}" for k in ("hidden_projection.weight", "predecessor_codebook",
+                                                          "successor_codebook")}
+    assert set(tensors) == SECTION9_KEYS | conv_keys | selector_keys
+    assert tensors["layers.0.attention_conv.base_kernel"].shape == (2, 3, H)
+    assert tensors["layers.0.mlp_conv.kernel_projection.weight"].shape == (2 * 3 * (H // 8), H)
+    assert all(not tensors[k].any() for k in selector_keys)  # scores nothing: the engine's walk is the chain
+    loaded = DFlashDrafter.from_pretrained(str(tmp_path), model.embed_tokens, model.lm_head).eval()
+    features, block_ids, anchor_pos = inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded.forward_packed(features, block_ids, anchor_pos),
+                           model.forward_packed(features, block_ids, anchor_pos))
+    with pytest.raises(ValueError, match="full vocabulary"):
+        model.set_draft_vocab(torch.tensor([0, 5, 17]))
+    with pytest.raises(ValueError, match="must divide"):
+        tiny_config(conv_kernel_size=3, conv_group_size=5)

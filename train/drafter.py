@@ -88,6 +88,8 @@ def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFl
         max_position_embeddings=tc.max_position_embeddings,
         vocab_size=tc.vocab_size,
         block_size=d.block_size,
+        conv_kernel_size=d.conv_kernel_size,
+        conv_group_size=d.conv_group_size,
         target_hidden_size=tc.hidden_size,
         target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers,
@@ -111,6 +113,32 @@ def init_from_target(drafter: DFlashDrafter, target_model) -> None:
                                          f"{tuple(p.shape)} here, {tuple(theirs[name].shape)} in the target")
                     p.copy_(theirs[name])
         drafter.norm.weight.copy_(final_norm(target_model).weight)
+
+
+def init_from_export(drafter: DFlashDrafter, folder: Path) -> None:
+    """Start from a trained drafter's export (drafter.init_from): every weight of the export, which must be this
+    drafter's shape and target; weights the export lacks (a DFlash export has no convolution) keep their init,
+    the identity for a GroupedConv, so the fine-tune starts from the trained drafter's function exactly."""
+    if not (folder / "model.safetensors").is_file():
+        raise TrainError(f"drafter.init_from={folder}: no model.safetensors there; give a drafter export folder "
+                         "(runs/<name>/train/export)")
+    trained = DFlashDrafter.from_pretrained(str(folder), drafter.embed_tokens, drafter.lm_head)
+    mine, theirs = drafter.config, trained.config
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "target_hidden_size", "target_layer_ids", "vocab_size", "block_size", "mask_token_id"):
+        if getattr(mine, key) != getattr(theirs, key):
+            raise TrainError(f"drafter.init_from={folder}: its {key} is {getattr(theirs, key)}, this drafter's "
+                             f"{getattr(mine, key)}; set the drafter config to the export's")
+    if theirs.num_hidden_layers * theirs.layer_repeats != mine.num_hidden_layers * mine.layer_repeats:
+        raise TrainError(f"drafter.init_from={folder}: {theirs.num_hidden_layers} x {theirs.layer_repeats} layers "
+                         f"there, {mine.num_hidden_layers} x {mine.layer_repeats} here")
+    state = {k: v for k, v in trained.state_dict().items() if k != "draft_to_target"}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if unexpected or any(".attention_conv." not in k and ".mlp_conv." not in k for k in missing):
+        raise TrainError(f"drafter.init_from={folder}: weights differ (missing {missing}, unexpected {unexpected})")
+    if trained.draft_to_target is not None:
+        drafter.set_draft_vocab(trained.draft_to_target)
+    log.info("drafter: started from %s%s", folder, " (its convolution at the identity)" if missing else "")
 
 
 class DrafterWithSelector(torch.nn.Module):
@@ -158,7 +186,9 @@ class DrafterComponent:
         self.target.model.to(device)
         self.model = DFlashDrafter(self.dconf, self.target.model.get_input_embeddings(),
                                    self.target.model.get_output_embeddings())
-        if cfg.drafter.init == "target":
+        if cfg.drafter.init_from:
+            init_from_export(self.model, Path(cfg.drafter.init_from))
+        elif cfg.drafter.init == "target":
             init_from_target(self.model, self.target.model)
         elif cfg.drafter.init != "random":
             raise TrainError(f"unknown drafter.init {cfg.drafter.init!r}; use random or target")

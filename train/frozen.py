@@ -154,6 +154,8 @@ def export_with_drafter(drafter_dir: Path, folder: Path, tensors: dict[str, torc
     config["dflash_config"].update(dflash_config)
     config.setdefault("dflash_pipeline", {})[section] = provenance
     weights = load_file(str(drafter_dir / "model.safetensors"))
+    own_prefixes = {k.split(".", 1)[0] + "." for k in tensors}  # e.g. a trained selector replaces the pass-through
+    weights = {k: v for k, v in weights.items() if k.split(".", 1)[0] + "." not in own_prefixes}
     clash = set(weights) & set(tensors)
     if clash:
         raise TrainError(f"{section} tensors {sorted(clash)} collide with the drafter's")

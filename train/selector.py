@@ -19,11 +19,10 @@ import torch
 from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.policies import MiddleOutMethod
+from dflash_pipeline.models.selector import SELECTOR_PREFIX as PREFIX
 from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
 from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained, scored_rates
-
-PREFIX = "candidate_selector."
 
 
 @dataclass
