@@ -141,6 +141,19 @@ class DFlashDrafterConfig:
             rope_parameters={"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta})
 
 
+def identity_convolution(config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """What turns a DFlash export (config.json `config`) into a DFlash2 one that drafts the same: a one-tap convolution
+    of one group per layer at the identity (GroupedConv's init) -> (tensors, dflash_config keys). Engines load a
+    selector only as DFlash2, whose layers always convolve."""
+    H, tensors = config["hidden_size"], {}
+    for i in range(config["num_hidden_layers"]):
+        for side in ("attention_conv", "mlp_conv"):
+            tensors[f"layers.{i}.{side}.base_kernel"] = torch.ones(2, 1, H)
+            tensors[f"layers.{i}.{side}.kernel_projection.weight"] = torch.zeros(2, H)
+    return tensors, {"conv_kernel_size": 1, "conv_group_size": H, "input_embedding_scale": 1.0,
+                     "output_multiplier": 1.0}
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on one tensor x (Bt, heads, T, D) with cos/sin (Bt, T, D): transformers' apply_rotary_pos_emb, which
     rotates a (q, k) pair, for the context keys that have no queries beside them."""

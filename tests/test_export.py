@@ -1,5 +1,5 @@
 """Exports read back as an engine reads them: each variant (full vocabulary; draft vocabulary with `lm_head` +
-`d2t`) is loaded by an independent reader (json + safetensors + plain torch, no project model code), whose forward
+`d2t`; DFlash2 with its grouped convolution) is loaded by an independent reader (json + safetensors + plain torch, no project model code), whose forward
 reproduces the drafts of the project's speculative decoding on the tiny target token for token (docs/export.md)."""
 from __future__ import annotations
 
@@ -45,8 +45,10 @@ class ExportReader:
     without a draft-vocabulary head in the file, the LM head. `use_draft_head=False` reads a draft-vocabulary export
     as a loader that ignores `lm_head`/`d2t` does (SGLang, the reference code); `d2t_as_ids` misreads d2t."""
 
-    def __init__(self, folder: Path, target_model, use_draft_head: bool = True, d2t_as_ids: bool = False):
+    def __init__(self, folder: Path, target_model, use_draft_head: bool = True, d2t_as_ids: bool = False,
+                 skip_convolution: bool = False):
         self.c = json.loads((folder / "config.json").read_text())
+        self.skip_convolution = skip_convolution  # reads a DFlash2 file as a DFlash loader would
         self.w = load_file(str(folder / "model.safetensors"))
         self.target = target_model
         self.embed = target_model.get_input_embeddings().weight.detach().float()
@@ -70,6 +72,22 @@ class ExportReader:
         out = self.target(input_ids=torch.tensor([token_ids]), output_hidden_states=True)
         return torch.cat([out.hidden_states[i + 1][0] for i in self.c["dflash_config"]["target_layer_ids"]], dim=-1)
 
+    def convolve(self, layer: int, name: str, x: torch.Tensor, source: torch.Tensor, side: int) -> torch.Tensor:
+        """DFlash2's grouped convolution as the file defines it, one position and tap at a time: the output at block
+        position p is the sum over taps t <= p of (base_kernel[side, t] + its group's delta) * x[p - t], the deltas
+        being kernel_projection(source) at p, laid out (side, tap, group)."""
+        if self.skip_convolution or f"layers.{layer}.{name}.base_kernel" not in self.w:
+            return x
+        base = self.w[f"layers.{layer}.{name}.base_kernel"].float()  # (2, taps, H)
+        taps, gs = base.shape[1], self.c["dflash_config"]["conv_group_size"]
+        delta = (source @ self.w[f"layers.{layer}.{name}.kernel_projection.weight"].float().T).view(
+            len(x), 2, taps, -1)
+        out = torch.zeros_like(x)
+        for p in range(len(x)):
+            for t in range(min(taps, p + 1)):
+                out[p] += (base[side, t] + delta[p, side, t].repeat_interleave(gs)) * x[p - t]
+        return out
+
     @torch.no_grad()
     def draft(self, context: list[int], anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts for the block [anchor, MASK x (B-1)] at positions len(context) ..: (target ids (B-1,),
@@ -84,16 +102,20 @@ class ExportReader:
         pos_kv = torch.arange(L + B)  # [context | block]
         for i in range(c["num_hidden_layers"]):
             p = lambda name: w[f"layers.{i}.{name}.weight"].float()  # noqa: E731
-            h = rms(x, p("input_layernorm"), eps)
+            normed = rms(x, p("input_layernorm"), eps)
+            h = self.convolve(i, "attention_conv", normed, normed, 0)
             q = rope(rms((h @ p("self_attn.q_proj").T).view(B, nh, D), p("self_attn.q_norm"), eps), pos_block, theta=self.theta)
             kv_in = torch.cat([ctx, h])  # (L + B, H): the layer's own k/v projections of context and block
             k = rms((kv_in @ p("self_attn.k_proj").T).view(L + B, nkv, D), p("self_attn.k_norm"), eps)
             k = rope(k, pos_kv, theta=self.theta).repeat_interleave(nh // nkv, dim=1)  # (L + B, nh, D)
             v = (kv_in @ p("self_attn.v_proj").T).view(L + B, nkv, D).repeat_interleave(nh // nkv, dim=1)
             att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D), dim=-1)  # no mask: bidirectional
-            x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(B, nh * D) @ p("self_attn.o_proj").T
-            h = rms(x, p("post_attention_layernorm"), eps)
-            x = x + (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+            attended = torch.einsum("hqk,khd->qhd", att, v).reshape(B, nh * D) @ p("self_attn.o_proj").T
+            x = x + self.convolve(i, "attention_conv", attended, normed, 1)
+            normed = rms(x, p("post_attention_layernorm"), eps)
+            h = self.convolve(i, "mlp_conv", normed, normed, 0)
+            mlp = (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+            x = x + self.convolve(i, "mlp_conv", mlp, normed, 1)
         logits = rms(x, w["norm.weight"], eps)[1:] @ self.head.T  # (B-1, Vd or V)
         full = logits.new_full((B - 1, self.V), float("-inf"))  # vLLM's compute_logits: scatter to target ids
         full[:, self.targets] = logits
@@ -121,16 +143,16 @@ def prompt_ids(target):
     return chat_prompt_ids(target.tokenizer, TEXTS)
 
 
-def make_drafter(target, draft_vocab: bool) -> DFlashDrafter:
+def make_drafter(target, draft_vocab: bool, conv: bool = False) -> DFlashDrafter:
     """A 2-layer drafter on the tiny target with weights large enough that every tensor moves the drafts (norm
-    weights too, so a reader that skipped one would be caught)."""
+    weights too, so a reader that skipped one would be caught); conv: DFlash2's convolution, 3 taps."""
     torch.manual_seed(0)
     m = target.model
-    drafter = DFlashDrafter(drafter_config(make_config("drafter.num_layers=2"), target, TAPS),
-                            m.get_input_embeddings(), m.get_output_embeddings())
+    config = make_config("drafter.num_layers=2", f"drafter.conv_kernel_size={3 if conv else 0}")
+    drafter = DFlashDrafter(drafter_config(config, target, TAPS), m.get_input_embeddings(), m.get_output_embeddings())
     with torch.no_grad():
         for p in drafter.parameters():
-            p.normal_(std=0.3) if p.ndim == 2 else p.uniform_(0.5, 1.5)
+            p.normal_(std=0.3) if p.ndim >= 2 else p.uniform_(0.5, 1.5)
     if draft_vocab:
         g = torch.Generator().manual_seed(1)
         drafter.set_draft_vocab(torch.randperm(drafter.config.vocab_size, generator=g)[:DRAFT_VOCAB].sort().values)
@@ -146,9 +168,10 @@ def project_rounds(target, drafter, prompt_ids) -> list[tuple[list[int], int, to
     return rounds
 
 
-@pytest.mark.parametrize("draft_vocab", [False, True], ids=["full-vocab", "draft-vocab"])
-def test_independent_reader_reproduces_the_project_drafts(tmp_path, target, prompt_ids, draft_vocab):
-    drafter = make_drafter(target, draft_vocab)
+@pytest.mark.parametrize("draft_vocab,conv", [(False, False), (True, False), (False, True)],
+                         ids=["full-vocab", "draft-vocab", "dflash2-conv"])
+def test_independent_reader_reproduces_the_project_drafts(tmp_path, target, prompt_ids, draft_vocab, conv):
+    drafter = make_drafter(target, draft_vocab, conv)
     drafter.save_pretrained(str(tmp_path), extra_config={"dflash_pipeline": {"target": target.ref}})
     reader = ExportReader(tmp_path, target.model)
     rounds = project_rounds(target, drafter, prompt_ids)
@@ -171,6 +194,9 @@ def test_independent_reader_reproduces_the_project_drafts(tmp_path, target, prom
         context, anchor, drafts = rounds[0]
         assert not torch.equal(ignoring.draft(context, anchor)[0], drafts)
         assert not torch.equal(misread.draft(context, anchor)[0], drafts)
+    if conv:  # a DFlash loader (no convolution) drafts otherwise: the comparison above sees the convolution
+        plain = ExportReader(tmp_path, target.model, skip_convolution=True)
+        assert any(not torch.equal(plain.draft(c, a)[0], d) for c, a, d in rounds[:4])
 
 
 def test_export_contents(tmp_path, target):

@@ -6,6 +6,7 @@ A subclass (train/selector.py, train/jump.py) brings its model, loss, metrics an
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,11 +20,14 @@ from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_b
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.protocol import ChainMethod, drafter_blocks
 from dflash_pipeline.eval.metrics import offline_metrics
-from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.models.drafter import DFlashDrafter, identity_convolution
 from dflash_pipeline.models.generation import CapturedFeatures
+from dflash_pipeline.models.selector import SELECTOR_PREFIX
 from dflash_pipeline.train.component import StageInputs, loop_settings
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import decay_weights, default_gamma, dpace_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,6 +160,16 @@ def export_with_drafter(drafter_dir: Path, folder: Path, tensors: dict[str, torc
     weights = load_file(str(drafter_dir / "model.safetensors"))
     own_prefixes = {k.split(".", 1)[0] + "." for k in tensors}  # e.g. a trained selector replaces the pass-through
     weights = {k: v for k, v in weights.items() if k.split(".", 1)[0] + "." not in own_prefixes}
+    if SELECTOR_PREFIX in own_prefixes and config["architectures"] == ["DFlashDraftModel"]:
+        if config.get("draft_vocab_size", config["vocab_size"]) == config["vocab_size"]:  # servable as DFlash2
+            conv, keys = identity_convolution(config)
+            weights.update(conv)
+            config["dflash_config"].update(keys)
+            config["architectures"] = ["DFlash2DraftModel"]
+        else:
+            log.warning("%s: a draft-vocabulary drafter with a selector stays a DFlashDraftModel (vLLM's DFlash2 "
+                        "scores candidates over the full vocabulary): engines serve it without the selector; "
+                        "train over the full vocabulary to serve DFlash2 (docs/export.md)", folder)
     clash = set(weights) & set(tensors)
     if clash:
         raise TrainError(f"{section} tensors {sorted(clash)} collide with the drafter's")
