@@ -22,6 +22,7 @@ n tapped target layers, h heads, hk kv heads, D head dim.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, fields
 
@@ -35,6 +36,8 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qw
 
 from dflash_pipeline.data.files import save_safetensors, write_text
 from dflash_pipeline.models.selector import PASS_THROUGH, SELECTOR_PREFIX, pass_through_tensors
+
+log = logging.getLogger(__name__)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -413,9 +416,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError("the draft vocabulary must be a non-empty 1-D tensor of distinct target token ids")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must lie in 0 .. {self.config.vocab_size - 1}")
-        if self.config.conv_kernel_size and len(ids) < self.config.vocab_size:
-            raise ValueError("a DFlash2 (convolution) drafter drafts over the full vocabulary (vLLM's DFlash2 scores "
-                             "candidates over all of it): unset trainer.draft_vocab_size or drafter.conv_kernel_size")
+
         self.draft_to_target = ids
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
@@ -531,7 +532,8 @@ class DFlashDrafter(nn.Module):
         `d2t` (Vd,) int64 offsets, target id = draft id + d2t[draft id]; and config.json `draft_vocab_size` = Vd.
         A draft vocabulary that covers the whole target vocabulary is exported as the full vocabulary.
         DFlash2 (the convolution): also the selector that scores nothing (models/selector.py PASS_THROUGH), which a
-        trained selector's export replaces; vLLM's DFlash2 drafts over the full vocabulary only (refused otherwise).
+        trained selector's export replaces. With a draft vocabulary it is written with `lm_head` + `d2t` as above,
+        but vLLM 0.32's DFlash2 picks candidates from its draft head without d2t (docs/export.md): warned.
         """
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "draft_to_target"}
         L, stack = len(self.layers), [k.split(".", 2)[1:] for k in tensors if k.startswith("layers.")]
@@ -541,8 +543,9 @@ class DFlashDrafter(nn.Module):
         ids = self.draft_to_target
         if self.config.conv_kernel_size:
             if ids is not None and len(ids) != self.config.vocab_size:
-                raise ValueError("a DFlash2 (convolution) drafter cannot be exported with a draft vocabulary: vLLM's "
-                                 "DFlash2 scores candidates over the full vocabulary; unset trainer.draft_vocab_size")
+                log.warning("a DFlash2 drafter with a draft vocabulary: vLLM's DFlash2 (0.32) takes its candidates "
+                            "from the draft head without mapping them through d2t, so it would draft wrong ids; "
+                            "train without trainer.draft_vocab_size to serve it there (docs/export.md)")
             tensors.update(pass_through_tensors(self.config.vocab_size, self.config.hidden_size))
         if ids is None or len(ids) == self.config.vocab_size:
             return tensors, {}

@@ -337,7 +337,7 @@ def test_a_new_convolution_drafter_is_the_dflash_drafter_it_wraps():
                        plain.forward_packed(features, block_ids, anchor_pos))
 
 
-def test_convolution_drafter_exports_as_dflash2_with_a_pass_through_selector(tmp_path):
+def test_convolution_drafter_exports_as_dflash2_with_a_pass_through_selector(tmp_path, caplog):
     model = tiny_drafter(conv_kernel_size=3, conv_group_size=8)
     model.save_pretrained(str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
@@ -358,7 +358,10 @@ def test_convolution_drafter_exports_as_dflash2_with_a_pass_through_selector(tmp
     with torch.no_grad():
         assert torch.equal(loaded.forward_packed(features, block_ids, anchor_pos),
                            model.forward_packed(features, block_ids, anchor_pos))
-    with pytest.raises(ValueError, match="full vocabulary"):
-        model.set_draft_vocab(torch.tensor([0, 5, 17]))
+    model.set_draft_vocab(torch.tensor([0, 5, 17]))  # trains and exports (lm_head + d2t), with a warning: vLLM's
+    with caplog.at_level("WARNING"):  # DFlash2 picks candidates from its draft head without d2t
+        model.save_pretrained(str(tmp_path / "draft"))
+    assert "without mapping them through d2t" in caplog.text
+    assert {"d2t", "lm_head.weight"} <= set(load_file(str(tmp_path / "draft" / "model.safetensors")))
     with pytest.raises(ValueError, match="must divide"):
         tiny_config(conv_kernel_size=3, conv_group_size=5)
