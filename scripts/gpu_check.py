@@ -25,7 +25,18 @@ the target's width, block 16, 5 tapped layers) on it; then, each section timed:
 - fsdp      with more than one GPU (or --fsdp-procs N): the same packed steps on random features, one process and
             then N processes with the drafter sharded as an FSDP launch shards it (train/parallel.py `shard`:
             FSDP2, each layer's MLP a unit), the same global batch: the losses of both, ms/step, and per process the
-            bytes of weights, gradients and AdamW state it holds and its peak memory.
+            bytes of weights, gradients and AdamW state it holds and its peak memory;
+- dflash2   where `import vllm` works in this python (else recorded as skipped): vLLM serves a DFlash2 drafter end to
+            end. A random Qwen3 target of its own (DFLASH2_TARGET, saved as a folder; no tokenizer: prompts are token
+            ids) and a random DFlash2 drafter on it (convolution of 3 taps, block 8, 2 taps) with a random selector
+            (rank 8, top 8), exported as train/frozen.py export_with_drafter exports a trained selector; then greedy
+            vLLM runs of random prompts with speculative_config {"method": "dflash", num_speculative_tokens 7} and
+            without, each engine in a process of its own: whether the speculative outputs equal the plain ones, the
+            engine's acceptance counters per draft position, and whether transformers' greedy `generate` on the
+            same weights equals vLLM's plain outputs. An engine's refusal (vLLM's CPU build: "Model Runner V1 does
+            not support: DFlash candidate-head drafts") is the section's error. It builds its own target, so it also
+            runs when the build section fails (vLLM pins a transformers older than the project's).
+--skip SECTION... leaves sections out (e.g. `--skip costs train decodes fsdp` runs only dflash2 after the build).
 Prints a summary and writes everything as JSON to --out (default $OUT/gpu_check.json when OUT is set, else
 ./gpu_check.json), atomically, after every section: a run stopped at its time limit keeps what it finished.
 """
@@ -59,6 +70,12 @@ SCALES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=1000),
 }
 MASK_TOKEN = {"qwen3_8b": 151669, "tiny": 999}  # Qwen3: the first embedding row past its 151669-token tokenizer
+OPTIONAL = ("costs", "train", "decodes", "fsdp", "dflash2")  # what --skip may leave out
+# The dflash2 section's target: the tiny family at a head_dim vLLM's attention kernels take, weights large enough
+# (initializer_range) that greedy picks are not near-ties; taps as models/target.py default_layer_ids(4, 2).
+DFLASH2_TARGET = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=1024, initializer_range=0.1)
+DFLASH2_TAPS, DFLASH2_BLOCK, DFLASH2_PROMPTS, DFLASH2_PROMPT_LEN, DFLASH2_NEW_TOKENS = [0, 3], 8, 4, 32, 48
 # Per-scale defaults of the run sizes (the tiny ones keep a CPU run well under a minute).
 DEFAULTS = {
     "qwen3_8b": dict(context=512, cost_repeats=12, train_steps=300, train_seqs=4, train_len=1024, anchors=256,
@@ -102,6 +119,8 @@ def parse_args() -> argparse.Namespace:
                     help="processes of the fsdp section (default: the GPU count when above 1, else the section is "
                          "skipped; on a CPU, gloo processes)")
     ap.add_argument("--fsdp-steps", type=int, default=None, help="steps per fsdp run (default: 10; tiny 3)")
+    ap.add_argument("--skip", nargs="+", choices=OPTIONAL, default=[], metavar="SECTION",
+                    help=f"sections to leave out, of {', '.join(OPTIONAL)}")
     ap.add_argument("--seed", type=int, default=0, help="weights, tokens and anchors (default: %(default)s)")
     ap.add_argument("--out", default=None, help="default: $OUT/gpu_check.json when OUT is set, else gpu_check.json")
     args = ap.parse_args()
@@ -437,6 +456,163 @@ def fsdp(run: Run, res: dict, args) -> None:
                step_time_ratio=many["ms_per_step"] / one["ms_per_step"])
 
 
+def dflash2_exports(folder: Path, seed: int):
+    """The dflash2 section's checkpoints, built on the CPU in float32: a random Qwen3 target saved to folder/target,
+    and a DFlash2 drafter on it with a random PairSelector exported to folder/dflash2, every drafter and selector
+    weight random at std 0.5 (as tests/test_engine_parity.py makes them) so that the drafts vary.
+    -> (the target, how the selector was added)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
+    from dflash_pipeline.models.selector import SELECTOR_PREFIX, PairSelector
+
+    torch.manual_seed(seed)
+    tc = Qwen3Config(**DFLASH2_TARGET, rope_theta=1e6, max_position_embeddings=4096, tie_word_embeddings=False)
+    target = Qwen3ForCausalLM(tc).eval()
+    target.save_pretrained(folder / "target")
+    V, H = tc.vocab_size, tc.hidden_size
+    conf = DFlashDrafterConfig(
+        hidden_size=H, intermediate_size=tc.intermediate_size, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=1e6,
+        max_position_embeddings=4096, vocab_size=V, block_size=DFLASH2_BLOCK, target_hidden_size=H,
+        target_layer_ids=DFLASH2_TAPS, num_target_layers=tc.num_hidden_layers, mask_token_id=V - 1,
+        conv_kernel_size=3, conv_group_size=32)
+    drafter = DFlashDrafter(conf, target.get_input_embeddings(), target.get_output_embeddings())
+    selector = PairSelector(V, H, rank=8, top_k=8)
+    with torch.no_grad():
+        for p in [*drafter.parameters(), *selector.parameters()]:
+            p.normal_(std=0.5)
+    drafter.save_pretrained(str(folder / "drafter"))  # a DFlash2DraftModel export with the pass-through selector
+    tensors = {SELECTOR_PREFIX + k: v.detach().contiguous() for k, v in selector.state_dict().items()}
+    try:
+        from dflash_pipeline.train.frozen import export_with_drafter
+    except ImportError as e:  # that module needs omegaconf (and more), which this check does not: the same steps
+        from safetensors.torch import load_file, save_file
+
+        config = json.loads((folder / "drafter" / "config.json").read_text())
+        config["dflash_config"].update(selector.config_dict())
+        weights = {k: v for k, v in load_file(str(folder / "drafter" / "model.safetensors")).items()
+                   if not k.startswith(SELECTOR_PREFIX)}
+        (folder / "dflash2").mkdir()
+        save_file({**weights, **tensors}, str(folder / "dflash2" / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "dflash2" / "config.json").write_text(json.dumps(config, indent=2))
+        return target, f"inline ({type(e).__name__}: {e})"
+    export_with_drafter(folder / "drafter", folder / "dflash2", tensors, selector.config_dict(), "selector", {})
+    return target, "train/frozen.py export_with_drafter"
+
+
+def vllm_engine(settings: dict, out: str) -> None:
+    """One vLLM engine in a process of its own (its GPU memory goes with it), the engine core in this process so that
+    a refusal arrives here as an exception: greedy outputs of settings["prompts"] (token ids, no tokenizer) and the
+    speculative counters (models/vllm_worker.py `counters`), or the first line of the root cause, as JSON to out."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    use_checkout()
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from dflash_pipeline.models.vllm_worker import counters
+
+        llm = LLM(model=settings["model"], skip_tokenizer_init=True, dtype=settings["dtype"], max_model_len=256,
+                  max_num_seqs=8, enforce_eager=True, seed=0, disable_log_stats=False, gpu_memory_utilization=0.3,
+                  speculative_config=settings["speculative"])
+        params = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"], detokenize=False)
+        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in settings["prompts"]], params, use_tqdm=False)
+        result = {"outputs": [list(o.outputs[0].token_ids) for o in done], "spec": counters(llm)}
+    except Exception as e:  # noqa: BLE001  (the parent records it)
+        traceback.print_exc()
+        while e.__cause__ or e.__context__:
+            e = e.__cause__ or e.__context__
+        # pydantic's first line only counts its errors (vLLM's config refusals are pydantic ValidationErrors)
+        text = "; ".join(x["msg"] for x in e.errors()) if type(e).__name__ == "ValidationError" else str(e)
+        result = {"error": f"{type(e).__name__}: {(text.splitlines() or [''])[0]}"}
+    Path(out).write_text(json.dumps(result))
+
+
+def verdicts(target, prompts: list, outputs: list, reference: list, tolerance: float) -> list[dict]:
+    """Each output against its reference as eval/exactness.py classifies them: identical, near_tie (at the first
+    difference the two picks' log-probabilities under the float32 target, on the shared prefix, differ by less than
+    `tolerance`; the gap is logp(output's pick) - logp(reference's pick)) or wrong (a clear winner replaced, or a
+    length difference)."""
+    import torch
+
+    rows = []
+    for prompt, a, b in zip(prompts, outputs, reference):
+        i, gap = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None), None
+        if i is not None:
+            with torch.no_grad():
+                logp = target(torch.tensor([prompt + a[:i]])).logits[0, -1].float().log_softmax(-1)
+            gap = float(logp[a[i]] - logp[b[i]])
+            kind = "near_tie" if abs(gap) < tolerance else "wrong"
+        elif len(a) != len(b):
+            i, kind = min(len(a), len(b)), "wrong"
+        else:
+            kind = "identical"
+        rows.append({"kind": kind, "position": i, "logprob_gap": gap})
+    return rows
+
+
+def dflash2(run: Run, res: dict, args) -> None:
+    """The dflash2 section (module docstring): plain and speculative vLLM runs, then transformers' greedy decodes."""
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001
+        res["skipped"] = f"vllm is not importable: {type(e).__name__}: {e}"
+        print(f"  skipped: {res['skipped']}", flush=True)
+        return
+    import copy
+    import multiprocessing
+    import tempfile
+
+    import torch
+
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [random_ids(DFLASH2_PROMPT_LEN, DFLASH2_TARGET["vocab_size"] - 1, gen) for _ in range(DFLASH2_PROMPTS)]
+    res.update(vllm=vllm.__version__, dtype=args.dtype, prompts=len(prompts), prompt_len=DFLASH2_PROMPT_LEN,
+               max_new_tokens=DFLASH2_NEW_TOKENS, num_speculative_tokens=DFLASH2_BLOCK - 1,
+               model_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        target, res["export"] = dflash2_exports(folder, args.seed)
+        spec = {"method": "dflash", "model": str(folder / "dflash2"), "num_speculative_tokens": DFLASH2_BLOCK - 1}
+        for name, speculative in (("plain", None), ("speculative", spec)):
+            settings = dict(model=str(folder / "target"), dtype=args.dtype, prompts=prompts,
+                            max_tokens=DFLASH2_NEW_TOKENS, speculative=speculative)
+            out = folder / f"{name}.json"
+            proc = multiprocessing.get_context("spawn").Process(target=vllm_engine, args=(settings, str(out)))
+            proc.start()
+            proc.join(300)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+            runs[name] = json.loads(out.read_text()) if out.exists() else {
+                "error": f"the engine's process ended with exit code {proc.exitcode} (300 s allowed)"}
+            print(f"  vLLM {name}: {runs[name].get('error') or 'done'}", flush=True)
+    from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE
+
+    tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    plain, s = runs["plain"].get("outputs"), runs["speculative"].get("outputs")
+    res.update(tolerance=tolerance, outputs={"plain": plain, "speculative": s})
+    if plain and s:
+        res.update(spec_equals_plain=s == plain, spec_vs_plain=verdicts(target, prompts, s, plain, tolerance))
+    if s:
+        c = runs["speculative"]["spec"]
+        res.update(counters=c, tau=1 + c["accepted"] / max(1, c["drafts"]),
+                   acceptance_per_pos=[a / max(1, c["drafts"]) for a in c["accepted_per_pos"]])
+    if plain:  # transformers' greedy decodes, in the engines' dtype on the device
+        ids = torch.tensor(prompts, device=run.device)
+        with torch.no_grad():
+            hf = copy.deepcopy(target).to(run.device, getattr(torch, args.dtype)).generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=DFLASH2_NEW_TOKENS,
+                pad_token_id=0)[:, DFLASH2_PROMPT_LEN:].tolist()
+        res.update(hf_equals_plain=hf == plain, hf_vs_plain=verdicts(target, prompts, hf, plain, tolerance))
+    errors = [f"vLLM {name}: {r['error']}" for name, r in runs.items() if "error" in r]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
 def summary(r: dict) -> None:
     m = r.get("machine", {})
     print(f"\n{m.get('gpu') or m.get('cpu')}: torch {m.get('torch')}, transformers {m.get('transformers')}, "
@@ -462,6 +638,17 @@ def summary(r: dict) -> None:
         n = max(int(k) for k in f["runs"])
         print(f"fsdp over {n} processes: state per process {f['state_ratio']:.3f} of one process's, ms/step "
               f"{f['step_time_ratio']:.2f}x, losses within {f['loss_max_rel_diff']:.1e} (relative)")
+    v = r.get("dflash2", {})
+    if "skipped" in v:
+        print(f"dflash2: skipped, {v['skipped']}")
+    elif "vllm" in v:
+        def kinds(rows):
+            return rows and {k: sum(x["kind"] == k for x in rows) for k in ("identical", "near_tie", "wrong")}
+
+        tau = f"{v['tau']:.2f}" if "tau" in v else None
+        print(f"dflash2 on vLLM {v['vllm']}: speculative vs plain {kinds(v.get('spec_vs_plain'))}, tau {tau}, "
+              f"accepted per draft position {[round(x, 2) for x in v.get('acceptance_per_pos', [])]}; transformers "
+              f"vs vLLM plain {kinds(v.get('hf_vs_plain'))}")
     print(f"seconds: {r['seconds']}; errors: {r['errors'] or 'none'}")
 
 
@@ -498,31 +685,40 @@ def main() -> int:
                    memory_gib=torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                    drafter_layer_ids=drafter.config.target_layer_ids, mask_token_id=drafter.config.mask_token_id)
     if "build" in r["errors"]:
+        if "dflash2" not in args.skip:  # it builds its own target: needs neither the build nor transformers' `cache=`
+            with run.section("dflash2") as res:
+                dflash2(run, res, args)
         summary(r)
         return 1
     target = SimpleNamespace(model=model, eos_ids=set())
-    with run.section("costs") as res:
-        from dflash_pipeline.eval.policies import measure_costs
+    if "costs" not in args.skip:
+        with run.section("costs") as res:
+            from dflash_pipeline.eval.policies import measure_costs
 
-        drafter.to(dtype).eval()
-        res.update(measure_costs(target, drafter, random_ids(args.context, drafter.config.mask_token_id, gen), BLOCK,
-                                 repeats=args.cost_repeats, tree_sizes=TREE_SIZES))
-    with run.section("train") as res:
-        train(run, res, model, drafter, args, dtype, gen)
-    drafter.zero_grad(set_to_none=True)  # also after a failed step
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    with run.section("decodes") as res:
-        drafter.to(dtype).eval()
-        decodes(run, res, target, drafter, args, gen)
-    if args.fsdp_procs is None and device.type == "cuda" and torch.cuda.device_count() > 1:
-        args.fsdp_procs = torch.cuda.device_count()
-    if args.fsdp_procs and args.fsdp_procs > 1:
-        del model, drafter, target  # the fsdp processes build their own
+            drafter.to(dtype).eval()
+            res.update(measure_costs(target, drafter, random_ids(args.context, drafter.config.mask_token_id, gen),
+                                     BLOCK, repeats=args.cost_repeats, tree_sizes=TREE_SIZES))
+    if "train" not in args.skip:
+        with run.section("train") as res:
+            train(run, res, model, drafter, args, dtype, gen)
+        drafter.zero_grad(set_to_none=True)  # also after a failed step
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if "decodes" not in args.skip:
+        with run.section("decodes") as res:
+            drafter.to(dtype).eval()
+            decodes(run, res, target, drafter, args, gen)
+    if args.fsdp_procs is None and device.type == "cuda" and torch.cuda.device_count() > 1:
+        args.fsdp_procs = torch.cuda.device_count()
+    del model, drafter, target  # the fsdp processes and the dflash2 section build their own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.fsdp_procs and args.fsdp_procs > 1 and "fsdp" not in args.skip:
         with run.section("fsdp") as res:
             fsdp(run, res, args)
+    if "dflash2" not in args.skip:
+        with run.section("dflash2") as res:
+            dflash2(run, res, args)
     run.write()
     summary(r)
     return 1 if r["errors"] else 0

@@ -16,6 +16,7 @@ from dflash_pipeline.data.shards import DatasetError
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.drafter import DrafterComponent
+from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.loop import run_train
 from dflash_pipeline.train.losses import block_loss, dpace_weights, normaliser
 
@@ -157,8 +158,29 @@ def test_export_reloads_to_the_same_drafter(tiny_teacher, tmp_path, component):
     model = DFlashDrafter.from_pretrained(str(run / "export"), component.model.embed_tokens, component.model.lm_head)
     assert component.evaluate(model) == last["heldout"]
     config = json.loads((run / "export" / "config.json").read_text())
-    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["architectures"] == ["DFlash2DraftModel"]  # experiment=tiny trains DFlash2's convolution
+    assert config["dflash_config"]["conv_kernel_size"] == model.config.conv_kernel_size == 3
     assert config["dflash_pipeline"]["target_layer_ids"] == config["dflash_config"]["target_layer_ids"]
+
+
+def test_dflash2_fine_tune_starts_from_the_trained_dflash_drafter(tiny_teacher, tmp_path):
+    """drafter.init_from: a convolution drafter started from a DFlash drafter's export is that drafter (the same
+    held-out metrics before its first step), then trains its convolution; an export of another shape is refused."""
+    plain = run_train(make_config("trainer.steps=3", "drafter.conv_kernel_size=0"), tmp_path / "plain",
+                      data_dir=tiny_teacher)
+    cfg = make_config("trainer.steps=3", f"drafter.init_from={plain / 'export'}")
+    comp = DrafterComponent(cfg, StageInputs(tiny_teacher), torch.device("cpu"))
+    assert comp.model.config.conv_kernel_size == 3
+    assert comp.evaluate(comp.model) == metrics(plain)[-1]["heldout"]
+    run = run_train(cfg, tmp_path / "conv", data_dir=tiny_teacher)
+    tuned = load_file(str(run / "export" / "model.safetensors"))
+    assert not torch.equal(tuned["layers.0.attention_conv.kernel_projection.weight"],
+                           torch.zeros_like(tuned["layers.0.attention_conv.kernel_projection.weight"]))
+    with pytest.raises(TrainError, match="drafter.init_from=.*layers"):
+        DrafterComponent(make_config("drafter.num_layers=2", f"drafter.init_from={plain / 'export'}"),
+                         StageInputs(tiny_teacher), torch.device("cpu"))
+    with pytest.raises(TrainError, match="no model.safetensors"):
+        DrafterComponent(make_config(f"drafter.init_from={tmp_path}"), StageInputs(tiny_teacher), torch.device("cpu"))
 
 
 def test_draft_vocabulary_head(tiny_teacher, tmp_path):
@@ -307,6 +329,7 @@ def test_fsdp_on_two_processes_follows_one_process_resumes_on_another_count_and_
     assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.safetensors", "optimizer.json",
                                                "scheduler.json", "step.json"}  # safetensors + JSON: no pickle
     export = load_file(str(tmp_path / "two" / "train" / "export" / "model.safetensors"))
+    export = {k: v for k, v in export.items() if not k.startswith("candidate_selector.")}  # DFlash2's pass-through
     state = load_file(str(ckpt / "model.safetensors"))
     assert set(export) == set(state) and all(torch.equal(export[k], state[k]) for k in export)
     launch(2, tmp_path / "switch", "trainer.steps=2")  # killed after step 2 (a shorter run), resumed on 1 process
