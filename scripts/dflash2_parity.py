@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from dflash_pipeline.eval.engine_parity import TOLERANCE, parity
+from dflash_pipeline.models.vllm_engine import VLLMError
 
 
 def main() -> int:
@@ -24,7 +25,11 @@ def main() -> int:
     parser.add_argument("--cache-dir", default=os.environ.get("DFLASH_CACHE", "~/.cache/dflash-pipeline"),
                         help="where scripts/setup_vllm.sh put vLLM's venv")
     args = parser.parse_args()
-    result = parity(args.export, Path(args.cache_dir).expanduser(), args.blocks, args.seed)
+    try:
+        result = parity(args.export, Path(args.cache_dir).expanduser(), args.blocks, args.seed)
+    except (ValueError, VLLMError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"| check | {' | '.join(result['engine']['errors'])} | greedy walk | verdict |")
     print("|---" * (len(result["engine"]["errors"]) + 3) + "|")
     rows = [("vLLM's modules", result["engine"], "equal" if result["agrees"] else "DIFFERENT")]
