@@ -72,6 +72,8 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
     if name != "drafter":  # the drafter's tensors travel with the component's, unchanged
         mine, base = load_file(str(export / "model.safetensors")), load_file(str(tiny_drafter_run / "export" /
                                                                                  "model.safetensors"))
+        if name == "selector":  # a trained selector replaces the DFlash2 drafter's pass-through one
+            base = {k: v for k, v in base.items() if not k.startswith("candidate_selector.")}
         assert all(torch.equal(mine[k], v) for k, v in base.items()) and set(mine) > set(base)
 
 
