@@ -119,8 +119,9 @@ def export(tmp_path_factory, target):
     """A draft-vocabulary export of a tiny drafter and the drafter the own loop would run."""
     torch.manual_seed(0)
     m = target.model
-    drafter = DFlashDrafter(drafter_config(make_config(), target, TAPS), m.get_input_embeddings(),
-                            m.get_output_embeddings())
+    # a DFlash drafter: vLLM's CPU build serves DFlashDraftModel only (DFlash2's speculator is in its GPU runner)
+    drafter = DFlashDrafter(drafter_config(make_config("drafter.conv_kernel_size=0"), target, TAPS),
+                            m.get_input_embeddings(), m.get_output_embeddings())
     drafter.set_draft_vocab(torch.arange(0, drafter.config.vocab_size, 7))
     folder = tmp_path_factory.mktemp("export")
     drafter.save_pretrained(str(folder))
