@@ -123,6 +123,16 @@ class Engine(Choice):
     vllm = "vllm"  # vLLM in its own virtual environment (models/vllm_engine.py; bash scripts/setup_vllm.sh)
 
 
+class DraftSampleMethod(Choice):  # vLLM's speculative_config.draft_sample_method
+    greedy = "greedy"
+    probabilistic = "probabilistic"
+
+
+class AcceptanceRule(Choice):  # eval/decode.py ACCEPTANCE_RULES
+    sampled = "sampled"
+    greedy_draft = "greedy_draft"
+
+
 class LoggerKind(Choice):
     wandb = "wandb"
     none = "none"
@@ -328,6 +338,16 @@ class ServedConfig:
     tolerance: float = ranged(0.02, ge=0.0)
     batch: int = ranged(8, ge=0)  # requests of the batched timing (0 or 1: batch 1 only)
     strict: bool = False  # true: a failed gate fails the eval stage (false: reported in results and the log)
+    # eval.temperature > 0 (docs/metrics.md, 'Acceptance at temperature'): each prompt is decoded with this many
+    # seeds (eval.seed, eval.seed + 1, ...) as seeded requests, as many times unseeded, and by the own loop
+    seeds: int = ranged(3, ge=1)
+    # how the engine drafts at T > 0: greedy (vLLM's default: the own loop's greedy_draft rule) | probabilistic
+    # (drafts sampled, kept with min(1, p/q): the own loop's sampled rule); the gate compares like with like
+    draft_sample_method: DraftSampleMethod = DraftSampleMethod.greedy
+    alpha: float = ranged(0.01, gt=0.0, lt=1.0)  # T > 0: the family-wise level of the gate's tests
+    # mend engine code the worker's self-checks find wrong before serving (models/vllm_worker.py; vLLM 0.32's CPU
+    # build needs it at T > 0); false: serve the engine as installed, and a failure they explain is named as its
+    repair: bool = False
 
 
 @dataclass
@@ -345,6 +365,9 @@ class EvalConfig:
     block_size: Optional[int] = ranged(None, ge=2)  # None: the trained block size; may be smaller, never larger
     temperature: float = ranged(0.0, ge=0.0)  # 0: greedy (outputs must equal autoregressive decoding); >0: sampling
     seed: int = 0  # sampling generators (temperature > 0)
+    # temperature > 0: sampled (drafts x ~ q kept with min(1, p/q)) | greedy_draft (drafts argmax q kept with p(x),
+    # what vLLM does by default); both exact in distribution (eval/decode.py)
+    acceptance_rule: AcceptanceRule = AcceptanceRule.sampled
     drafter_dir: Optional[str] = None  # an exported drafter folder; None: <run dir>/<trainer.out_dir>/export
     methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # the components' METHODS (conf/catalogue.py)
     recall_k: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [1, 4, 16])  # offline Recall@K

@@ -4,8 +4,11 @@ Speculative round (docs/metrics.md, 'The speculative round'), with L = the numbe
   propose   a method drafts B-1 tokens for positions L+1 .. L+B-1 from the anchor at L (chain: the DFlash drafter,
             fed the tapped target features of the tokens committed since the last round);
   verify    the target runs [anchor, drafts] at positions L .. L+B-1 in ONE forward on its KV cache;
-  accept    greedy: the longest prefix of drafts equal to the target's argmax; sampling: the standard
-            accept/reject rule (accept x with prob min(1, p(x)/q(x)), else resample from norm(max(0, p - q)));
+  accept    greedy: the longest prefix of drafts equal to the target's argmax; sampling, by `acceptance`
+            (docs/metrics.md, 'Acceptance at temperature'): "sampled" drafts x ~ q, kept with prob min(1, p(x)/q(x)),
+            else the token is resampled from norm(max(0, p - q)); "greedy_draft" drafts x = argmax q, kept with prob
+            p(x), else resampled from p without x (the same rule with q one-hot: what vLLM does by default). Both
+            give the target's own distribution; their acceptance rates differ;
   commit    anchor + accepted drafts become context (their features come from this verify forward); the target's
             token after the accepted prefix is the next anchor; the target KV cache is cropped to the new L.
 
@@ -113,10 +116,19 @@ def _accept_sampling(drafts: torch.Tensor, q: torch.Tensor, logits: torch.Tensor
     return drafts.shape[0], sample(p[-1], generator)  # all accepted: the bonus from p
 
 
+ACCEPTANCE_RULES = ("sampled", "greedy_draft")
+
+
+def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The draft distribution the greedy-draft rule verifies against: all mass on each draft."""
+    q = torch.zeros(drafts.shape[0], vocab_size, device=drafts.device)
+    return q.scatter_(1, drafts.long()[:, None], 1.0)
+
+
 @torch.no_grad()
 def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, block_size: int | None = None,
                 temperature: float = 0.0, generator: torch.Generator | None = None,
-                rollback: str | None = None) -> SpecResult:
+                rollback: str | None = None, acceptance: str = "sampled") -> SpecResult:
     """Speculative decoding of one prompt. drafter: a DFlashDrafter (run as the "chain" method) or a method object.
 
     Greedy output equals `autoregressive`'s token for token; with temperature > 0 it is distributed as the
@@ -124,12 +136,16 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     an EOS id (kept; an EOS among accepted drafts ends the output there) or at exactly max_new_tokens.
     rollback: how a recurrent target's state goes back after a rejection (models/cache.py Rollback; attention
     targets crop); None: the target's own setting (target.rollback).
+    acceptance: the rule at temperature > 0 (ACCEPTANCE_RULES; the module docstring says what each does).
     """
     method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
     B = block_size or method.max_block_size
     if not 2 <= B <= method.max_block_size:
         raise ValueError(f"block size {B} must be in 2 .. {method.max_block_size} (the trained block size)")
     method.check(B, temperature)  # e.g. a greedy-only method at temperature > 0: refused, never run differently
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"unknown acceptance rule {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
+    greedy_draft = temperature > 0 and acceptance == "greedy_draft"
     model, eos = target.model, target.eos_ids
     check_target(method, model)
     device = device_of(model)
@@ -157,7 +173,7 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         t0 = time.perf_counter()
         context = (prompt_ids + output)[-CONTEXT:]
         prop = method.propose(RoundState(new_features, new_positions, anchor, L, output, context, verifier_hidden),
-                              B, temperature, generator)
+                              B, 0.0 if greedy_draft else temperature, generator)
         drafts = prop.tokens.to(device)
         sync(device)
         t1 = time.perf_counter()
@@ -173,7 +189,8 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
             if temperature <= 0:
                 n, next_anchor = _accept_greedy(drafts, logits)
             else:
-                n, next_anchor = _accept_sampling(drafts, prop.q.to(device), logits, temperature, generator)
+                q = one_hot_q(drafts, logits.shape[-1]) if greedy_draft else prop.q.to(device)
+                n, next_anchor = _accept_sampling(drafts, q, logits, temperature, generator)
             # keep anchor + accepted drafts (a recurrent target's state too: target.rollback)
             rollback.after(cache, L + n + 1, ids[:, : n + 1], positions[:, : n + 1])
             accepted, verifier_hidden = drafts[:n].tolist(), final[n]

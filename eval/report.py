@@ -139,9 +139,10 @@ def summary(results: dict, out: Path | None = None) -> str:
     served = results.get("served")
     if served:
         for ds, r in served["sets"].items():
+            speed = f", {_f(r['speedup'], 2)}x its plain decoding" if "speedup" in r else \
+                f" at T={r['temperature']}, {r['rule']} rule"
             lines.append(f"served ({served['engine']}, {served['dtype']}) {ds}: tau {_f(r['tau_served'])} "
-                         f"(own loop {_f(r['tau_own'])}), {_f(r['speedup'], 2)}x its plain decoding; "
-                         f"gate {'pass' if r['gate']['pass'] else 'FAIL'}")
+                         f"(own loop {_f(r['tau_own'])}){speed}; gate {'pass' if r['gate']['pass'] else 'FAIL'}")
     if out is not None:
         lines.append(f"tables: {out / 'results.md'}; plot: {out / 'acceptance.png'}")
     return "\n".join(lines)
@@ -152,6 +153,8 @@ def served_markdown(served: dict | None, row) -> list[str]:
     the gate's verdict, exactness and speed of the engine's speculative against its plain decoding."""
     if not served:
         return []
+    if any("temperature" in r for r in served["sets"].values()):
+        return sampled_markdown(served)
     lines = ["", f"## Served ({served['engine']}, {served['dtype']}, {served['threads']} threads)", "",
              "Parity gate: " + ("passed on every set." if served["pass"] else "FAILED (see the lines below)."), "",
              "| set | prompts | tau teacher-forced / own loop / served | drafts own / served | spec = plain outputs | "
@@ -174,6 +177,33 @@ def served_markdown(served: dict | None, row) -> list[str]:
         row(f"{ds} a_k teacher-forced", r["a_k_teacher_forced"])
         row(f"{ds} a_k own loop", r["a_k_own"])
         row(f"{ds} a_k served", r["a_k_served"])
+    return lines
+
+
+def _rate(cell: dict) -> str:
+    return f"{_f(cell['rate'])} [{_f(cell['low'])}, {_f(cell['high'])}]"
+
+
+def sampled_markdown(served: dict) -> list[str]:
+    """The served section at temperature > 0: per set and run kind (own loop under both rules, served seeded,
+    unseeded, batched) tau and a_1..a_3 with 95% intervals over decodes, the tests and the gate's verdict."""
+    lines = ["", f"## Served at temperature ({served['engine']}, {served['dtype']}, {served['threads']} threads)", "",
+             "Statistical gate: " + ("passed on every set." if served["pass"] else "FAILED (see the lines below)."),
+             "", "| set | run | decodes | drafts | tau [95%] | a_1 [95%] | a_2 [95%] | a_3 [95%] |",
+             "|---|---|---|---|---|---|---|---|"]
+    for ds, r in served["sets"].items():
+        for kind, t in r["rates"].items():
+            cells = " | ".join(_rate(a) for a in (t["a_k"] + [{"rate": None, "low": None, "high": None}] * 3)[:3])
+            lines.append(f"| {ds} | {kind} | {t['decodes']} | {t['drafts']} | {_f(t['tau'])} [{_f(t['tau_low'])}, "
+                         f"{_f(t['tau_high'])}] | {cells} |")
+    lines.append("")
+    for ds, r in served["sets"].items():
+        dist = r["distribution"]
+        lines.append(f"- {ds} (T={r['temperature']}, engine draft sampling {r['draft_sample_method']}, own rule "
+                     f"{r['rule']}; vLLM {r['engine']['version']}, checks {r['engine']['checks']}, repaired "
+                     f"{r['engine']['repaired'] or 'nothing'}): {r['gate']['line']}; seeded vs unseeded differ at "
+                     f"positions {r['seeded_vs_unseeded']['differ'] or 'none'}; PIT chi-square p served "
+                     f"{_f(dist['served']['p'])}, own {_f(dist['own']['p'])}")
     return lines
 
 

@@ -8,6 +8,12 @@ counters (drafts, accepted tokens per draft position) must equal the own loop's 
 speculative outputs must equal its plain decoding and the project's autoregressive references. In reduced precision
 kernels round differently: outputs may part at near-ties (classified as the own eval does) and the per-position
 acceptance must agree within eval.served.tolerance. A failed gate says so in one line naming the likely contract key.
+
+At temperature > 0 (`sampled_set`) acceptance is random: the own loop decodes each prompt with several seeds under
+the acceptance rule the engine uses (vLLM's draft_sample_method "greedy" is the own loop's "greedy_draft" rule,
+"probabilistic" its "sampled" rule; eval/decode.py), the engine serves each prompt seeded and unseeded, and the gate
+is statistical (eval/significance.py): per-position acceptance equal within noise, and the served samples
+distributed as the target's own. A failure the engine's own self-checks explain is named as the engine's.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import torch
 from safetensors import safe_open
 
 from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.eval import significance
+from dflash_pipeline.eval.decode import speculative
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
 from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
 
@@ -162,22 +170,50 @@ def _median(xs):
 
 
 class ServedEval:
-    """Two vLLM engines on the target (plain, and with the exported drafter), open for every eval set of a run."""
+    """vLLM engines on the target (plain, and with the exported drafter), open for every eval set of a run. At
+    temperature > 0 only the speculative engine runs (plain=False)."""
 
     def __init__(self, cache_dir, target_dir: Path, drafter_dir: Path, dtype: str, block_size: int,
-                 max_model_len: int, threads: int, log_file: Path):
-        common = dict(model=target_dir, dtype=dtype, max_model_len=max_model_len, threads=threads, log_file=log_file)
+                 max_model_len: int, threads: int, log_file: Path, plain: bool = True,
+                 draft_sample_method: str = "greedy", repair: bool = False):
+        common = dict(model=target_dir, dtype=dtype, max_model_len=max_model_len, threads=threads, log_file=log_file,
+                      repair=repair)
         self.block_size, self.drafter_dir = block_size, drafter_dir
-        self.plain = VLLMEngine(cache_dir, **common)
+        self.plain = VLLMEngine(cache_dir, **common) if plain else None
         try:
-            self.spec = VLLMEngine(cache_dir, speculative=speculative_config(drafter_dir, block_size), **common)
+            self.spec = VLLMEngine(cache_dir, speculative=speculative_config(drafter_dir, block_size,
+                                                                             draft_sample_method), **common)
         except BaseException:
-            self.plain.close()
+            self.close()
             raise
 
     def close(self) -> None:
-        self.plain.close()
-        self.spec.close()
+        for engine in (self.plain, getattr(self, "spec", None)):
+            if engine is not None:
+                engine.close()
+
+    def run_sampled(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float,
+                    seeds: list[int], batch: int, label: str = "") -> dict:
+        """Sampled decodes of `prompts` at batch 1: each prompt once per seed as a seeded request, and as many times
+        unseeded; then (batch > 1) the unseeded requests `batch` at a time. Per decode its counters and output;
+        per batch its counters (vLLM counts a batch as a whole)."""
+        stop = sorted(eos_ids)
+        out = {"seeded": [], "unseeded": [], "batched": []}
+        bar = Progress(f"served T={temperature} {label}", 2 * len(seeds) * len(prompts), "decode")
+        for kind, seed_list in (("seeded", seeds), ("unseeded", [None] * len(seeds))):
+            for seed in seed_list:
+                for p in prompts:
+                    res = self.spec.generate([p], max_new_tokens, stop, temperature=temperature, seeds=[seed])
+                    out[kind].append({**res["spec"][0], "output": res["outputs"][0], "seed": seed})
+                    bar.update(1)
+        bar.close()
+        if batch > 1:
+            requests = [p for _ in seeds for p in prompts]
+            for i in range(0, len(requests), batch):
+                res = self.spec.generate(requests[i: i + batch], max_new_tokens, stop, batch=True,
+                                         temperature=temperature)
+                out["batched"].append(res["spec"][0])
+        return out
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, repeats: int, batch: int,
             label: str = "") -> dict:
@@ -215,6 +251,112 @@ class ServedEval:
                        tokens_per_s_spec_batched=_median(runs["spec"]))
             out["speedup_batched"] = out["tokens_per_s_spec_batched"] / out["tokens_per_s_plain_batched"]
         return out
+
+
+# -- at temperature > 0 -------------------------------------------------------------------------------------------
+ENGINE_BUGS = {  # models/vllm_worker.py's checks, as a verdict names them
+    "rejection_temperature": "its CPU build's rejection sampler divides the target's logits by uninitialised "
+                             "memory instead of the temperature (the per-draft expansion writes into a discarded "
+                             "int64 copy): the target's probabilities at T > 0 are wrong, and with them acceptance and the "
+                             "served samples",
+}
+RULE_OF = {"greedy": "greedy_draft", "probabilistic": "sampled"}  # vLLM draft_sample_method -> own loop's rule
+
+
+def own_sampled(target, drafter, prompts: list[list[int]], block_size: int, max_new_tokens: int,
+                temperature: float, seeds: list[int], rule: str) -> list[dict]:
+    """The own loop's sampled decodes of every prompt with every seed under acceptance `rule`: per decode its
+    vLLM-style counters and output."""
+    out = []
+    for seed in seeds:
+        for i, p in enumerate(prompts):
+            gen = torch.Generator().manual_seed(1_000_003 * seed + i)
+            res = speculative(target, drafter, p, max_new_tokens, block_size, temperature, gen, acceptance=rule)
+            out.append({**own_counts([res.accepted], block_size - 1), "output": res.tokens, "seed": seed})
+    return out
+
+
+def distribution(target, prompts: list[list[int]], decodes: list[dict], temperature: float) -> dict:
+    """The PIT uniformity of decodes' sampled tokens under the target (eval/significance.py); decodes follow
+    `prompts` in order, cycling."""
+    gen = torch.Generator().manual_seed(0)
+    u = []
+    for i, d in enumerate(decodes):
+        u += significance.pit_values(target.model, prompts[i % len(prompts)], d["output"], temperature, gen)
+    return significance.uniformity(u)
+
+
+def sampled_gate(own: list[dict], served: list[dict], positions: int, alpha: float, rule: str, temperature: float,
+                 served_distribution: dict, engine: dict, other_rule: list[dict] | None = None) -> dict:
+    """The verdict at temperature > 0: per-position acceptance equal within noise (Holm at `alpha`) and the served
+    samples distributed as the target's (PIT chi-square p > alpha). engine: {"version", "checks", "repaired"}."""
+    test = significance.compare_positions(own, served, positions, alpha)
+    dist_p = served_distribution.get("p")
+    biased = dist_p is not None and dist_p <= alpha
+    ok = not test["differ"] and not biased
+    ts, to = significance.rate_table(served, positions), significance.rate_table(own, positions)
+    fmt = lambda t: f"{t['tau']:.3f} [{t['tau_low']:.3f}, {t['tau_high']:.3f}]"  # noqa: E731
+    broken = [k for k, right in engine.get("checks", {}).items() if not right and k not in engine.get("repaired", [])]
+    if ok:
+        line = (f"parity at T={temperature}: served acceptance equals the own loop's {rule} rule within noise "
+                f"(per-position tests, Holm alpha {alpha}; {len(served)} served and {len(own)} own decodes; tau "
+                f"served {fmt(ts)}, own {fmt(to)})" + ("" if dist_p is None else
+                f"; served samples follow the target's distribution (PIT chi-square p {dist_p:.3f})"))
+    else:
+        line = (f"PARITY FAILED at T={temperature}: "
+                + (f"positions {test['differ']} differ (served a_k "
+                   f"{[round(a['rate'] or 0.0, 3) for a in ts['a_k'][:4]]} vs own {rule} "
+                   f"{[round(a['rate'] or 0.0, 3) for a in to['a_k'][:4]]}; tau served {fmt(ts)}, own {fmt(to)})"
+                   if test["differ"] else "acceptance within noise")
+                + (f"; served samples are NOT distributed as the target's (PIT chi-square p {dist_p:.2g})"
+                   if biased else ""))
+        if broken:
+            line += "; cause: the engine's bug, vLLM " + str(engine.get("version")) + ": " + "; ".join(
+                ENGINE_BUGS.get(k, k) for k in broken) + " (eval.served.repair=true serves it mended)"
+        elif other_rule is not None and not significance.compare_positions(other_rule, served, positions,
+                                                                           alpha)["differ"]:
+            line += ("; served matches the own loop's other acceptance rule: the engine's draft sampling is not "
+                     "the one configured (eval.served.draft_sample_method)")
+        else:
+            line += ("; likely cause: a contract key the engine reads differently (check the greedy gate first: "
+                     "eval.temperature=0)")
+    return {"pass": ok, "line": line, "positions": test, "distribution_p": dist_p, "engine_bugs": broken}
+
+
+def sampled_set(engine: ServedEval, target, drafter, prompts: list[list[int]], block_size: int,
+                max_new_tokens: int, temperature: float, seeds: list[int], batch: int, alpha: float,
+                draft_sample_method: str, label: str = "", own: dict | None = None) -> dict:
+    """One eval set at temperature > 0: the engine's decodes (seeded, unseeded, batched), the own loop's under both
+    acceptance rules, per-position rates with intervals for each, the served samples' distribution check and the
+    gate against the own loop's rule that matches the engine's draft sampling. own: the own loop's decodes per rule
+    when already run (own_sampled with the same arguments)."""
+    served = engine.run_sampled(prompts, max_new_tokens, target.eos_ids, temperature, seeds, batch, label)
+    rule = RULE_OF[draft_sample_method]
+    own = own or {r: own_sampled(target, drafter, prompts, block_size, max_new_tokens, temperature, seeds, r)
+                  for r in ("sampled", "greedy_draft")}
+    both = served["seeded"] + served["unseeded"]
+    info = {"version": engine.spec.version, "checks": engine.spec.checks, "repaired": engine.spec.repaired}
+    dist = {"served": distribution(target, prompts, both, temperature),
+            "own": distribution(target, prompts, own[rule], temperature)}
+    k = block_size - 1
+    verdict = sampled_gate(own[rule], both, k, alpha, rule, temperature, dist["served"], info,
+                           own["greedy_draft" if rule == "sampled" else "sampled"])
+    (log.info if verdict["pass"] else log.error)("%s: %s", label, verdict["line"])
+    strip = lambda ds: [{k_: v for k_, v in d.items() if k_ != "output"} for d in ds]  # noqa: E731
+    pooled, mine = significance.rate_table(both, k), significance.rate_table(own[rule], k)
+    return {"temperature": temperature, "a_k_served": [a["rate"] or 0.0 for a in pooled["a_k"]],
+            "a_k_own": [a["rate"] or 0.0 for a in mine["a_k"]], "tau_served": pooled["tau"], "tau_own": mine["tau"], "seeds": seeds, "rule": rule, "draft_sample_method": draft_sample_method,
+            "engine": info, "prompts": len(prompts),
+            "rates": {"own_sampled": significance.rate_table(own["sampled"], k),
+                      "own_greedy_draft": significance.rate_table(own["greedy_draft"], k),
+                      "served_seeded": significance.rate_table(served["seeded"], k),
+                      "served_unseeded": significance.rate_table(served["unseeded"], k),
+                      **({"served_batched": significance.rate_table(served["batched"], k)}
+                         if served["batched"] else {})},
+            "seeded_vs_unseeded": significance.compare_positions(served["seeded"], served["unseeded"], k, alpha),
+            "distribution": dist, "gate": verdict,
+            "decodes": {"served_seeded": strip(served["seeded"]), "served_unseeded": strip(served["unseeded"]),
+                        "own": {r: strip(v) for r, v in own.items()}}}
 
 
 def compare(served: dict, prompts: list[dict], own_rounds: list[list[int]], own_spec: list[list[int]],

@@ -159,7 +159,8 @@ class Passes:
 
 
 def timed_passes(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
-                 temperature: float, seed: int, repeats: int, baselines: dict[str, torch.nn.Module]):
+                 temperature: float, seed: int, repeats: int, baselines: dict[str, torch.nn.Module],
+                 acceptance: str = "sampled"):
     """Yields the Passes of every prompt and repeat (A F B B F A), after one warm-up of each kind on prompt 0."""
     device = next(target.model.parameters()).device
     others = {d: SimpleNamespace(model=m, eos_ids=target.eos_ids) for d, m in baselines.items()}
@@ -178,7 +179,7 @@ def timed_passes(target: Target, method, prompts: list[dict], *, label: str, blo
 
     def spec(i, run):
         out = speculative(target, method, prompts[i]["prompt_ids"], max_new_tokens, block_size, temperature,
-                          gen(i, "spec", run))
+                          gen(i, "spec", run), acceptance=acceptance)
         bar.update(0 if run == "warmup" else part)
         return out
 
@@ -222,7 +223,7 @@ def check_passes(judge: ExactnessJudge, passes: Passes, strict: bool, near_ties:
 def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True,
                costs: EvalContext | None = None, judge: ExactnessJudge | None = None,
-               baselines: dict[str, torch.nn.Module] | None = None) -> dict:
+               baselines: dict[str, torch.nn.Module] | None = None, acceptance: str = "sampled") -> dict:
     """Speculative vs autoregressive decoding of `prompts` (A B B A per prompt per repeat, after one warm-up).
 
     Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
@@ -237,7 +238,7 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     runs, near_ties, mismatches = [], [], []
     for passes in timed_passes(target, method, prompts, label=label, block_size=block_size,
                                max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, repeats=repeats,
-                               baselines=baselines or {}):
+                               baselines=baselines or {}, acceptance=acceptance):
         if temperature <= 0:
             check_passes(judge, passes, strict, near_ties, mismatches)
         runs.append(passes)
@@ -538,8 +539,6 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         if "chain" not in methods:
             raise EvalError("eval.served compares the served drafter with the own loop's chain method: add chain to "
                             "eval.methods")
-        if e.temperature > 0:
-            raise EvalError("eval.served compares greedy decodes: set eval.temperature=0")
         vllm_python(cfg.cache_dir)
     not_run = {}  # methods this target family cannot serve (trees on a recurrent target): named in the results
     for name, method in list(methods.items()):
@@ -575,6 +574,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         "block_size": B,
         "trained_block_size": trained_B,
         "temperature": e.temperature,
+        **({"acceptance_rule": str(e.acceptance_rule)} if e.temperature > 0 else {}),
         "max_new_tokens": e.max_new_tokens,
         "datasets": list(prompt_sets),
         "prompts": {label: {"offline": len(prompts), "online": len(prompts[: e.online_prompts])}
@@ -636,7 +636,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             online = run_online(target, method, timed, label=label, block_size=B,
                                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed,
                                 repeats=e.timing_repeats, strict=e.strict_exact, costs=here, judge=judge,
-                                baselines=baselines)
+                                baselines=baselines, acceptance=str(e.acceptance_rule))
             own_runs[m] = (online.pop("ar_outputs"), online.pop("spec_rounds"), online.pop("spec_outputs"))
             own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
             results["methods"][m][label] = {
@@ -675,9 +675,24 @@ def serve(cfg: DictConfig, target: Target, drafter: DFlashDrafter, drafter_dir: 
     log_file.unlink(missing_ok=True)  # this run's engines only
     log.info("serving %s on %s in vLLM (%s, %d threads; engine log %s)", drafter_dir, folder, target.dtype, threads,
              log_file)
+    if e.temperature > 0:  # statistical: several seeds per prompt, both acceptance rules in the own loop
+        engine = served_eval.ServedEval(cfg.cache_dir, folder, drafter_dir, target.dtype, B,
+                                        target.config.max_position_embeddings, threads, log_file, plain=False,
+                                        draft_sample_method=e.served.draft_sample_method, repair=e.served.repair)
+        seeds = [e.seed + i for i in range(e.served.seeds)]
+        try:
+            for label, prompts in prompt_sets.items():
+                out["sets"][label] = served_eval.sampled_set(
+                    engine, target, drafter, [p["prompt_ids"] for p in prompts[: e.online_prompts]], B,
+                    e.max_new_tokens, e.temperature, seeds, e.served.batch, e.served.alpha,
+                    e.served.draft_sample_method, label)
+        finally:
+            engine.close()
+        return _served_verdict(out, e.served.strict)
     served_contract, own_contract = served_eval.export_contract(drafter_dir), served_eval.drafter_contract(drafter)
     engine = served_eval.ServedEval(cfg.cache_dir, folder, drafter_dir, target.dtype, B,
-                                    target.config.max_position_embeddings, threads, log_file)
+                                    target.config.max_position_embeddings, threads, log_file,
+                                    repair=e.served.repair)
     try:
         for label, prompts in prompt_sets.items():
             timed = prompts[: e.online_prompts]
@@ -693,8 +708,12 @@ def serve(cfg: DictConfig, target: Target, drafter: DFlashDrafter, drafter_dir: 
             out["sets"][label]["speedup_vs_own_fastest_ar"] = out["sets"][label]["tokens_per_s_spec"] * fastest / 1e3
     finally:
         engine.close()
+    return _served_verdict(out, e.served.strict)
+
+
+def _served_verdict(out: dict, strict: bool) -> dict:
     out["pass"] = all(r["gate"]["pass"] for r in out["sets"].values())
-    if not out["pass"] and e.served.strict:
+    if not out["pass"] and strict:
         raise EvalError("; ".join(r["gate"]["line"] for r in out["sets"].values() if not r["gate"]["pass"])
                         + " (eval.served.strict=true)")
     return out

@@ -76,14 +76,15 @@ class VLLMEngine:
     """One vLLM engine (the target, with or without a speculative drafter) in a subprocess; a context manager.
 
     model: the target's folder (models/target.py target_folder); dtype: "float32" / "bfloat16" / ...;
-    speculative: vLLM's speculative_config (None: plain decoding)."""
+    speculative: vLLM's speculative_config (None: plain decoding); repair: mend the engine code the worker's checks
+    find wrong (models/vllm_worker.py). After start: .version, .checks ({name: right here}), .repaired ([names])."""
 
     def __init__(self, cache_dir: str | Path, model: str | Path, dtype: str, max_model_len: int,
                  speculative: dict | None = None, threads: int = 1, log_file: Path | None = None,
-                 max_num_seqs: int = 64):
+                 max_num_seqs: int = 64, repair: bool = False):
         python = vllm_python(cache_dir)
         settings = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "speculative": speculative,
-                    "max_num_seqs": max_num_seqs}
+                    "max_num_seqs": max_num_seqs, "repair": repair}
         self.log_file = log_file
         self.log_start = Path(log_file).stat().st_size if log_file and Path(log_file).is_file() else 0
         stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
@@ -92,7 +93,9 @@ class VLLMEngine:
                                      env=worker_env(python.parent.parent, threads))
         if log_file:
             stderr.close()
-        self._read()  # {"ready": true} once the engine is built
+        ready = self._read()  # {"ready": true, ...} once the engine is built
+        self.version, self.checks, self.repaired = ready.get("version"), ready.get("checks", {}), \
+            ready.get("repaired", [])
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -104,10 +107,12 @@ class VLLMEngine:
         return json.loads(line)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, stop_token_ids: list[int],
-                 batch: bool = False) -> dict:
-        """Greedy replies to `prompts` (token ids in, token ids out); see models/vllm_worker.py for the reply."""
+                 batch: bool = False, temperature: float = 0.0, seeds: list[int | None] | None = None) -> dict:
+        """Replies to `prompts` (token ids in, token ids out): greedy, or sampled at `temperature` with one seed per
+        prompt (None: unseeded); see models/vllm_worker.py for the reply."""
         self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                                          "stop_token_ids": sorted(stop_token_ids), "batch": batch}) + "\n")
+                                          "stop_token_ids": sorted(stop_token_ids), "batch": batch,
+                                          "temperature": temperature, "seeds": seeds}) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -128,7 +133,14 @@ class VLLMEngine:
         self.close()
 
 
-def speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
-    """vLLM's speculative_config for an exported DFlash drafter verified in blocks of `block_size` (B-1 drafts)."""
-    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1}
+def speculative_config(drafter_dir: str | Path, block_size: int, draft_sample_method: str = "greedy") -> dict:
+    """vLLM's speculative_config for an exported DFlash drafter verified in blocks of `block_size` (B-1 drafts).
+
+    draft_sample_method (matters at temperature > 0 only): "greedy", vLLM's default, drafts the drafter's argmax and
+    verifies it as if the drafter were one-hot (kept with probability p(x)); "probabilistic" samples the drafts and
+    keeps them with min(1, p/q) (the own loop's `sampled` rule, eval.acceptance_rule)."""
+    out = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1}
+    if draft_sample_method != "greedy":
+        out["draft_sample_method"] = draft_sample_method
+    return out
 

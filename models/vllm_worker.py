@@ -5,14 +5,24 @@ its own and this script is all of the project that runs there. Protocol: the fir
 engine settings; then one JSON request per line on stdin and one JSON reply per line on the original stdout
 (vLLM's own prints go to stderr). Requests:
 
-    {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "batch": false}
+    {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "batch": false,
+     "temperature": 0.0, "seeds": null or [seed or null per prompt]}
         -> {"outputs": [[ids]], "seconds": [per request or one for the batch], "spec": [per request counters]}
     {"op": "quit"}
 
-Greedy only (temperature 0): the project compares every output token for token. With "batch": false each prompt is
-its own generate call (batch 1; its seconds and its speculative counters are its own); true submits all at once.
+Temperature 0 (the default) is greedy: the project compares every output token for token. Above 0 the request
+samples (no top-k / top-p); a seed per prompt makes it a seeded request (vLLM's per-request generator), null leaves
+it to the engine's global generator. With "batch": false each prompt is its own generate call (batch 1; its seconds
+and its speculative counters are its own); true submits all at once.
 Speculative counters are the deltas of LLM.get_metrics() over a call: drafts, draft tokens, accepted tokens and
 accepted tokens per draft position (vLLM's spec_decode_* counters).
+
+The ready reply carries vLLM's version and `checks`: probes of engine code the project found wrong, each true when
+this engine computes it right. "rejection_temperature": the temperature the rejection sampler divides the target's
+logits by at each draft position. vLLM 0.32's CPU build expands it with a C++ fallback that writes into an int64
+copy and never back, so the target's probabilities at T > 0 are made with uninitialised memory (docs/results/vllm.md,
+'At temperature'). Setting "repair": true replaces that one function with a torch equivalent before the engine is
+built (in this process: vLLM's engine core then runs in-process) and reports it in "repaired".
 """
 import json
 import os
@@ -42,35 +52,73 @@ def delta(after: dict, before: dict) -> dict:
             "accepted_per_pos": [a - b for a, b in zip(after["accepted_per_pos"], per_pos)]}
 
 
+def expand_ok() -> bool:
+    """Whether the rejection sampler's per-draft expansion of per-request values (temperature, top-k, top-p) is
+    right here, with the kernels and overrides the engine itself registers."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler as rs
+    current_platform.import_kernels()
+    if hasattr(current_platform, "register_triton_kernel_overrides"):
+        current_platform.register_triton_kernel_overrides()
+    got = rs.expand_batch_to_tokens(torch.tensor([0.7, 1.0]), torch.tensor([2, 3], dtype=torch.int32), 3,
+                                    replace_from=rs.GREEDY_TEMPERATURE, replace_to=1)
+    return got.tolist() == torch.tensor([0.7, 0.7, 1.0]).tolist()
+
+
+def repair_expand() -> None:
+    """The expansion in torch: each request's value repeated over its draft tokens, `replace_from` mapped first."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return x.repeat_interleave(counts, output_size=num_tokens)
+
+    rs.expand_batch_to_tokens = expand
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     reply_fd = os.dup(1)  # the protocol's channel; everything printed from here on goes to stderr
     os.dup2(2, 1)
     replies = os.fdopen(reply_fd, "w", buffering=1)
 
+    if settings.get("repair"):  # the repaired function must be the one the engine core runs: keep it in-process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    checks = {"rejection_temperature": expand_ok()}
+    repaired = []
+    if settings.get("repair") and not checks["rejection_temperature"]:
+        repair_expand()
+        repaired.append("rejection_temperature")
 
     kwargs = dict(model=settings["model"], dtype=settings["dtype"], max_model_len=settings["max_model_len"],
                   enforce_eager=True, seed=0, disable_log_stats=False, max_num_seqs=settings.get("max_num_seqs", 64))
     if settings.get("speculative"):
         kwargs["speculative_config"] = settings["speculative"]
     llm = LLM(**kwargs)
-    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.write(json.dumps({"ready": True, "version": vllm.__version__, "checks": checks, "repaired": repaired})
+                  + "\n")
 
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "quit":
             break
-        params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], stop_token_ids=req["stop_token_ids"],
-                                detokenize=False)
+        seeds = req.get("seeds") or [None] * len(req["prompts"])
+        params = [SamplingParams(temperature=req.get("temperature", 0.0), seed=seed, max_tokens=req["max_tokens"],
+                                 stop_token_ids=req["stop_token_ids"], detokenize=False) for seed in seeds]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-        groups = [prompts] if req.get("batch") else [[p] for p in prompts]
+        groups = [list(range(len(prompts)))] if req.get("batch") else [[i] for i in range(len(prompts))]
         outputs, seconds, spec = [], [], []
         for group in groups:
             before = counters(llm)
             t0 = time.perf_counter()
-            done = llm.generate(group, params, use_tqdm=False)
+            done = llm.generate([prompts[i] for i in group], [params[i] for i in group], use_tqdm=False)
             seconds.append(time.perf_counter() - t0)
             spec.append(delta(counters(llm), before))
             outputs += [list(o.outputs[0].token_ids) for o in done]

@@ -163,10 +163,12 @@ def test_run_online_sampling(target, prompt_ids, random_drafter):
 
 
 # -- sampling preserves the target's distribution --------------------------------------------------------------
-def test_speculative_sampling_matches_target_distribution():
+@pytest.mark.parametrize("rule", ["sampled", "greedy_draft"])
+def test_speculative_sampling_matches_target_distribution(rule):
     """The joint of the first 3 sampled tokens (vocab 6, 216 cells) against its exact value from the target,
-    chi-square (cells with expectation < 5 pooled). A sampler that draws from p instead of the residual
-    norm(max(0, p - q)) after a rejection fails this test (p < 1e-3 at these sizes)."""
+    chi-square (cells with expectation < 5 pooled), under both acceptance rules (drafts sampled and kept with
+    min(1, p/q); drafts greedy and kept with p(x), what vLLM does). A sampler that draws from p instead of the
+    residual norm(max(0, p - q)) after a rejection fails this test (p < 1e-3 at these sizes)."""
     V, T, N = 6, 1.0, 2000
     tgt, drafter, prompt, p1, joint = sampling_case(V, T)
 
@@ -175,7 +177,7 @@ def test_speculative_sampling_matches_target_distribution():
         counts = torch.zeros(V ** 3, dtype=torch.float64)
         accepted = []
         for _ in range(N):
-            res = speculative(tgt, drafter, prompt, 3, block, temperature=T, generator=gen)
+            res = speculative(tgt, drafter, prompt, 3, block, temperature=T, generator=gen, acceptance=rule)
             a, b, c = res.tokens
             counts[(a * V + b) * V + c] += 1
             accepted += res.accepted

@@ -302,3 +302,47 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
     assert caught.pop("none")[0], "the export as trained must serve at parity"
     for mismatch, (passed, keys, per_pos) in caught.items():
         assert not passed and keys == [PLANTED[mismatch]], (mismatch, per_pos, own)
+
+
+@needs_vllm
+def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
+    """At T > 0 the statistical gate passes the run's export served by vLLM (with the engine's known CPU bug
+    mended) against the own loop's greedy-draft rule, with the served samples distributed as the target's; it
+    fails a planted export (the MASK token shifted: position 1 named); and the engine as installed fails it with
+    the engine named as the cause where its self-check finds the bug (vLLM 0.32's CPU build)."""
+    from dflash_pipeline.models.target import load_target, target_folder
+
+    from conftest import chat_prompt_ids
+
+    cfg = make_config("experiment=tiny_vllm")
+    target = load_target(cfg.target, cfg.cache_dir)
+    export = vllm_run / "train" / "export"
+    drafter = DFlashDrafter.from_pretrained(str(export), target.model.get_input_embeddings(),
+                                            target.model.get_output_embeddings()).eval()
+    prompts = chat_prompt_ids(target.tokenizer, ["Write a haiku about the sea.", "What is 12 times 7?",
+                                                 "Name three rivers in Europe.", "How do magnets work?"])
+    B, new, T, seeds = drafter.config.block_size, 32, 0.1, [0, 1, 2, 3]
+    own = {r: served.own_sampled(target, drafter, prompts, B, new, T, seeds, r) for r in ("sampled", "greedy_draft")}
+    folder = target_folder(cfg.target, cfg.cache_dir)
+
+    def gate(served_dir, repair):
+        engine = served.ServedEval(cfg.cache_dir, folder, served_dir, "float32", B, 512, 1, tmp_path / "vllm.log",
+                                   plain=False, repair=repair)
+        try:
+            return served.sampled_set(engine, target, drafter, prompts, B, new, T, seeds, 4, 0.01, "greedy", "t",
+                                      own), engine.spec.checks
+        finally:
+            engine.close()
+
+    mended, checks = gate(export, True)
+    assert mended["gate"]["pass"], mended["gate"]["line"]
+    assert mended["rates"]["own_greedy_draft"]["a_k"][0]["accepted"] > 0  # real acceptance compared
+    assert mended["distribution"]["served"]["p"] > 0.01 and mended["distribution"]["own"]["p"] > 0.01
+    planted, _ = gate(plant(export, tmp_path / "mask", "mask"), True)
+    assert not planted["gate"]["pass"] and 1 in planted["gate"]["positions"]["differ"], planted["gate"]["line"]
+    stock, _ = gate(export, False)
+    if not checks["rejection_temperature"]:
+        line = stock["gate"]["line"]
+        assert not stock["gate"]["pass"] and "the engine's bug, vLLM" in line and "repair=true" in line, line
+    else:  # a vLLM whose CPU rejection sampler is right: as installed is as mended
+        assert stock["gate"]["pass"], stock["gate"]["line"]
