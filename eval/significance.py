@@ -5,8 +5,9 @@ is a decode (one prompt, one seed): rounds of one decode share a context and are
 ratio estimates over decodes with a cluster-robust variance (floored at the binomial variance of the pooled rate,
 which also covers a single batched run). Two questions, two tests:
   acceptance   per draft position k, the conditional rate a_k = (decodes' rounds that accepted >= k drafts) /
-               (rounds that reached k), served against own loop: a two-sided z test per position, Holm-corrected
-               over the positions tested;
+               (rounds that reached k), served against own loop: a two-sided test per position (the difference
+               over its cluster-robust standard error, against Student's t with one less degree of freedom than
+               the smaller side's decodes that reached k), Holm-corrected over the positions tested;
   distribution whether sampled tokens follow the target's own distribution at this temperature: the randomised
                probability integral transform u = P(tokens likelier than x) + V * p(x), V ~ U(0, 1), is uniform on
                [0, 1) exactly when x ~ p; a chi-square over equal bins of u. A lower-but-exact rule passes it, a
@@ -74,7 +75,7 @@ def rate_table(decodes: list[dict], positions: int, z: float = 1.96) -> dict:
 
 
 def compare_positions(own: list[dict], served: list[dict], positions: int, alpha: float) -> dict:
-    """Per position: served a_k against own a_k, two-sided z tests, Holm's step-down at family level `alpha`.
+    """Per position: served a_k against own a_k, two-sided t tests, Holm's step-down at family level `alpha`.
 
     Returns {"differ": [1-based positions that differ], "tests": [{position, own, served, z, p}]}; a position is
     tested when both sides reached it and either accepted there."""
@@ -88,7 +89,10 @@ def compare_positions(own: list[dict], served: list[dict], positions: int, alpha
         ro, seo = ratio(so, no, pooled)
         rs, ses = ratio(ss, ns, pooled)
         z = (rs - ro) / math.sqrt(seo ** 2 + ses ** 2)
-        tests.append({"position": k + 1, "own": ro, "served": rs, "z": z, "p": 2 * stats.norm.sf(abs(z))})
+        # few decodes make the cluster-robust variance optimistic: Student's t on the smaller side's decodes - 1
+        df = max(1, min(sum(n > 0 for n in no), sum(n > 0 for n in ns)) - 1)
+        tests.append({"position": k + 1, "own": ro, "served": rs, "z": z, "df": df,
+                      "p": float(2 * stats.t.sf(abs(z), df))})
     differ, m = [], len(tests)
     for i, t in enumerate(sorted(tests, key=lambda t: t["p"])):  # Holm: stop at the first that holds
         if t["p"] > alpha / (m - i):

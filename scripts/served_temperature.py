@@ -2,8 +2,8 @@
 batched), as installed and with its known CPU bug mended, at several temperatures (docs/results/vllm.md, 'At
 temperature').
 
-    python scripts/served_temperature.py --run-dir <a trained run> [--temperatures 0.3 0.7 1.0] [--prompts 6]
-        [--seeds 3] [--max-new-tokens 64] [--out served_temperature.json] [hydra overrides ...]
+    python scripts/served_temperature.py --run-dir <a trained run> [--temperatures 0.3 0.7 1.0] [--prompts 4]
+        [--seeds 3] [--max-new-tokens 48] [--probabilistic-at 0.7] [--out served_temperature.json] [hydra overrides ...]
 
 The run dir's .hydra/config.yaml gives the target and the drafter (<run dir>/<trainer.out_dir>/export); the prompts
 are the first MT-Bench turns, as the eval stage renders them. Prints one table row per temperature and run kind,
@@ -34,10 +34,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, help="a run folder with .hydra/config.yaml and a trained export")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.3, 0.7, 1.0])
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--probabilistic-at", type=float, nargs="*", default=[0.7],
+                    help="the temperatures that also serve with draft_sample_method=probabilistic (repaired)")
+    ap.add_argument("--alpha", type=float, default=0.01, help="the gate's family-wise level")
     ap.add_argument("--out", default="served_temperature.json")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides (key=value)")
     args = ap.parse_args()
@@ -64,14 +67,16 @@ def main() -> None:
         t0 = time.perf_counter()
         own = {r: served_eval.own_sampled(target, drafter, prompts, B, args.max_new_tokens, T, seeds, r)
                for r in ("sampled", "greedy_draft")}
-        for name, method, repair in (("greedy", "greedy", False), ("greedy_repaired", "greedy", True),
-                                     ("probabilistic_repaired", "probabilistic", True)):
+        engines = [("greedy", "greedy", False), ("greedy_repaired", "greedy", True)]
+        if T in args.probabilistic_at:
+            engines.append(("probabilistic_repaired", "probabilistic", True))
+        for name, method, repair in engines:
             engine = served_eval.ServedEval(cfg.cache_dir, folder, drafter_dir, target.dtype, B,
                                             target.config.max_position_embeddings, args.threads, log_file,
                                             plain=False, draft_sample_method=method, repair=repair)
             try:
                 res = served_eval.sampled_set(engine, target, drafter, prompts, B, args.max_new_tokens, T, seeds,
-                                              len(prompts), cfg.eval.served.alpha, method, f"{name}", own)
+                                              len(prompts), args.alpha, method, name, own)
             finally:
                 engine.close()
             report["runs"][f"{T}/{name}"] = res

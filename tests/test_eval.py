@@ -152,13 +152,18 @@ def test_mismatch_is_detected_loudly(target, prompt_ids, random_drafter, monkeyp
     assert {m["run"] for m in res["mismatches"]} == {"speculative decoding", "a repeated speculative run"}
 
 
-def test_run_online_sampling(target, prompt_ids, random_drafter):
+@pytest.mark.parametrize("rule", ["sampled", "greedy_draft"])
+def test_run_online_sampling(target, prompt_ids, random_drafter, rule):
+    """The eval's online passes at temperature > 0 under either acceptance rule (eval.acceptance_rule): seeded,
+    so a rerun gives the same outputs and rounds."""
     batch = [{"id": f"p{i}", "prompt_ids": ids} for i, ids in enumerate(prompt_ids[:2])]
     method = decode.ChainMethod(random_drafter)
-    res = run_online(target, method, batch, label="s", block_size=3, max_new_tokens=8, temperature=0.8, seed=1)
+    go = lambda: run_online(target, method, batch, label="s", block_size=3, max_new_tokens=8,  # noqa: E731
+                            temperature=0.8, seed=1, acceptance=rule)
+    res = go()
     assert res["exact"] is None and res["mismatches"] == []
     assert len(res["a_k_online"]) == 2 and sum(res["accepted_hist"]) == res["rounds"] > 0
-    again = run_online(target, method, batch, label="s", block_size=3, max_new_tokens=8, temperature=0.8, seed=1)
+    again = go()
     assert again["ar_outputs"] == res["ar_outputs"] and again["accepted_hist"] == res["accepted_hist"]
 
 

@@ -322,6 +322,7 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     prompts = chat_prompt_ids(target.tokenizer, ["Write a haiku about the sea.", "What is 12 times 7?",
                                                  "Name three rivers in Europe.", "How do magnets work?"])
     B, new, T, seeds = drafter.config.block_size, 32, 0.1, [0, 1, 2, 3]
+    alpha = 0.001  # unseeded requests differ run to run: a pass must not be a coin flip, a planted fault is far off
     own = {r: served.own_sampled(target, drafter, prompts, B, new, T, seeds, r) for r in ("sampled", "greedy_draft")}
     folder = target_folder(cfg.target, cfg.cache_dir)
 
@@ -329,7 +330,7 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
         engine = served.ServedEval(cfg.cache_dir, folder, served_dir, "float32", B, 512, 1, tmp_path / "vllm.log",
                                    plain=False, repair=repair)
         try:
-            return served.sampled_set(engine, target, drafter, prompts, B, new, T, seeds, 4, 0.01, "greedy", "t",
+            return served.sampled_set(engine, target, drafter, prompts, B, new, T, seeds, 4, alpha, "greedy", "t",
                                       own), engine.spec.checks
         finally:
             engine.close()
@@ -337,7 +338,7 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     mended, checks = gate(export, True)
     assert mended["gate"]["pass"], mended["gate"]["line"]
     assert mended["rates"]["own_greedy_draft"]["a_k"][0]["accepted"] > 0  # real acceptance compared
-    assert mended["distribution"]["served"]["p"] > 0.01 and mended["distribution"]["own"]["p"] > 0.01
+    assert mended["distribution"]["served"]["p"] > alpha and mended["distribution"]["own"]["p"] > alpha
     planted, _ = gate(plant(export, tmp_path / "mask", "mask"), True)
     assert not planted["gate"]["pass"] and 1 in planted["gate"]["positions"]["differ"], planted["gate"]["line"]
     stock, _ = gate(export, False)
