@@ -268,11 +268,14 @@ def own_sampled(target, drafter, prompts: list[list[int]], block_size: int, max_
     """The own loop's sampled decodes of every prompt with every seed under acceptance `rule`: per decode its
     vLLM-style counters and output."""
     out = []
+    bar = Progress(f"own loop T={temperature} {rule}", len(seeds) * len(prompts), "decode")
     for seed in seeds:
         for i, p in enumerate(prompts):
             gen = torch.Generator().manual_seed(1_000_003 * seed + i)
             res = speculative(target, drafter, p, max_new_tokens, block_size, temperature, gen, acceptance=rule)
             out.append({**own_counts([res.accepted], block_size - 1), "output": res.tokens, "seed": seed})
+            bar.update(1)
+    bar.close()
     return out
 
 
