@@ -298,7 +298,8 @@ def sampled_gate(own: list[dict], served: list[dict], positions: int, alpha: flo
     biased = dist_p is not None and dist_p <= alpha
     ok = not test["differ"] and not biased
     ts, to = significance.rate_table(served, positions), significance.rate_table(own, positions)
-    fmt = lambda t: f"{t['tau']:.3f} [{t['tau_low']:.3f}, {t['tau_high']:.3f}]"  # noqa: E731
+    fmt = lambda t: f"{t['tau']:.3f}" + (f" [{t['tau_low']:.3f}, {t['tau_high']:.3f}]"  # noqa: E731
+                                         if t["tau_low"] is not None else "")
     broken = [k for k, right in engine.get("checks", {}).items() if not right and k not in engine.get("repaired", [])]
     if ok:
         line = (f"parity at T={temperature}: served acceptance equals the own loop's {rule} rule within noise "

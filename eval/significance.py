@@ -70,8 +70,9 @@ def rate_table(decodes: list[dict], positions: int, z: float = 1.96) -> dict:
         rate_k.append(interval(s, drafts, z))
     acc = [sum(d["accepted_per_pos"]) for d in decodes]
     mean, se = ratio(acc, drafts, floor_rate=0.0) if sum(drafts) else (0.0, 0.0)
-    return {"decodes": len(decodes), "drafts": sum(drafts), "a_k": a_k, "rate_k": rate_k,
-            "tau": 1 + mean, "tau_low": 1 + mean - z * se, "tau_high": 1 + mean + z * se}
+    spread = len(decodes) > 1  # tau's interval comes from the spread over decodes: none from one batch
+    return {"decodes": len(decodes), "drafts": sum(drafts), "a_k": a_k, "rate_k": rate_k, "tau": 1 + mean,
+            "tau_low": 1 + mean - z * se if spread else None, "tau_high": 1 + mean + z * se if spread else None}
 
 
 def compare_positions(own: list[dict], served: list[dict], positions: int, alpha: float) -> dict:

@@ -86,8 +86,8 @@ def main() -> None:
                 a = " / ".join(_f(x["rate"]) + (f" [{_f(x['low'])}, {_f(x['high'])}]" if i == 0 else "")
                                for i, x in enumerate(t["a_k"][:3]))
                 label = kind if kind.startswith("own") else f"{name}: {kind}"
-                print(f"{T:>4} {label:<28} {t['decodes']:>7} {t['drafts']:>6}  {t['tau']:.3f} [{t['tau_low']:.3f}, "
-                      f"{t['tau_high']:.3f}]   {a}", flush=True)
+                print(f"{T:>4} {label:<28} {t['decodes']:>7} {t['drafts']:>6}  {t['tau']:.3f} [{_f(t['tau_low'])}, "
+                      f"{_f(t['tau_high'])}]   {a}", flush=True)
             print(f"     gate ({name}): {res['gate']['line']}", flush=True)
             print(f"     PIT chi-square p: served {res['distribution']['served']['p']}, own "
                   f"{res['distribution']['own']['p']}; seeded vs unseeded differ at "

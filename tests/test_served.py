@@ -347,3 +347,24 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
         assert not stock["gate"]["pass"] and "the engine's bug, vLLM" in line and "repair=true" in line, line
     else:  # a vLLM whose CPU rejection sampler is right: as installed is as mended
         assert stock["gate"]["pass"], stock["gate"]["line"]
+
+
+@needs_vllm
+def test_served_eval_at_temperature_reports_every_run_kind(vllm_run):
+    """dflash-eval with eval.temperature > 0 and the served engine: per set the own loop under both rules and the
+    served seeded / unseeded / batched runs with intervals, the gate's line, in results.md and eval_results.json."""
+    proc = subprocess.run(["dflash-eval", "experiment=tiny_vllm", f"hydra.run.dir={vllm_run}", "eval.temperature=0.1",
+                           "eval.out_dir=eval_t", "eval.served.repair=true", "eval.served.seeds=2",
+                           "eval.online_prompts=3", "eval.datasets=[mtbench]", "eval.acceptance_rule=greedy_draft"],
+                          cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((vllm_run / "eval_t" / "eval_results.json").read_text())
+    assert results["acceptance_rule"] == "greedy_draft"
+    r = results["served"]["sets"]["mtbench"]
+    assert set(r["rates"]) == {"own_sampled", "own_greedy_draft", "served_seeded", "served_unseeded",
+                               "served_batched"}
+    assert r["rates"]["served_seeded"]["decodes"] == 6 and r["engine"]["repaired"] == ["rejection_temperature"] or \
+        r["engine"]["checks"]["rejection_temperature"]
+    assert r["gate"]["line"] and r["distribution"]["served"]["n"] > 0
+    md = (vllm_run / "eval_t" / "results.md").read_text()
+    assert "## Served at temperature" in md and "served_unseeded" in md and r["gate"]["line"] in md
