@@ -308,8 +308,10 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
 def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     """At T > 0 the statistical gate passes the run's export served by vLLM (with the engine's known CPU bug
     mended) against the own loop's greedy-draft rule, with the served samples distributed as the target's; it
-    fails a planted export (the MASK token shifted: position 1 named); and the engine as installed fails it with
-    the engine named as the cause where its self-check finds the bug (vLLM 0.32's CPU build)."""
+    fails a planted export (a shifted d2t: position 1 named); and the engine as installed fails it with the engine
+    named as the cause where its self-check finds the bug (vLLM 0.32's CPU build). A shifted MASK token or taps
+    move this tiny drafter's acceptance at T = 0.1 too little for 16 decodes to tell: the greedy gate catches those
+    exactly (test_gate_catches_each_planted_mismatch_when_served)."""
     from dflash_pipeline.models.target import load_target, target_folder
 
     from conftest import chat_prompt_ids
@@ -339,7 +341,7 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     assert mended["gate"]["pass"], mended["gate"]["line"]
     assert mended["rates"]["own_greedy_draft"]["a_k"][0]["accepted"] > 0  # real acceptance compared
     assert mended["distribution"]["served"]["p"] > alpha and mended["distribution"]["own"]["p"] > alpha
-    planted, _ = gate(plant(export, tmp_path / "mask", "mask"), True)
+    planted, _ = gate(plant(export, tmp_path / "d2t", "d2t"), True)
     assert not planted["gate"]["pass"] and 1 in planted["gate"]["positions"]["differ"], planted["gate"]["line"]
     stock, _ = gate(export, False)
     if not checks["rejection_temperature"]:
