@@ -268,23 +268,31 @@ def test_vllm_teacher_killed_and_rerun_gives_the_same_dataset(vllm_run, tmp_path
             assert torch.equal(again[i][key], whole[i][key]), (i, key)
 
 
-@needs_vllm
-def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
-    """The run's export with each classic mismatch planted, served by vLLM on the prompts the own loop decodes with
-    the export as trained: the gate fails and names the planted key."""
-    from dflash_pipeline.eval.decode import speculative
-    from dflash_pipeline.models.target import load_target, target_folder
-    from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
+def served_run(run_dir: Path):
+    """The tiny_vllm run's config, target, export, the drafter loaded from it and four chat prompts."""
+    from dflash_pipeline.models.target import load_target
 
     from conftest import chat_prompt_ids
 
     cfg = make_config("experiment=tiny_vllm")
     target = load_target(cfg.target, cfg.cache_dir)
-    export = vllm_run / "train" / "export"
+    export = run_dir / "train" / "export"
     drafter = DFlashDrafter.from_pretrained(str(export), target.model.get_input_embeddings(),
                                             target.model.get_output_embeddings()).eval()
     prompts = chat_prompt_ids(target.tokenizer, ["Write a haiku about the sea.", "What is 12 times 7?",
                                                  "Name three rivers in Europe.", "How do magnets work?"])
+    return cfg, target, export, drafter, prompts
+
+
+@needs_vllm
+def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
+    """The run's export with each classic mismatch planted, served by vLLM on the prompts the own loop decodes with
+    the export as trained: the gate fails and names the planted key."""
+    from dflash_pipeline.eval.decode import speculative
+    from dflash_pipeline.models.target import target_folder
+    from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
+
+    cfg, target, export, drafter, prompts = served_run(vllm_run)
     B, new = drafter.config.block_size, 32
     own = served.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1)
     assert own["accepted"] > 0
@@ -312,17 +320,9 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     named as the cause where its self-check finds the bug (vLLM 0.32's CPU build). A shifted MASK token or taps
     move this tiny drafter's acceptance at T = 0.1 too little for 16 decodes to tell: the greedy gate catches those
     exactly (test_gate_catches_each_planted_mismatch_when_served)."""
-    from dflash_pipeline.models.target import load_target, target_folder
+    from dflash_pipeline.models.target import target_folder
 
-    from conftest import chat_prompt_ids
-
-    cfg = make_config("experiment=tiny_vllm")
-    target = load_target(cfg.target, cfg.cache_dir)
-    export = vllm_run / "train" / "export"
-    drafter = DFlashDrafter.from_pretrained(str(export), target.model.get_input_embeddings(),
-                                            target.model.get_output_embeddings()).eval()
-    prompts = chat_prompt_ids(target.tokenizer, ["Write a haiku about the sea.", "What is 12 times 7?",
-                                                 "Name three rivers in Europe.", "How do magnets work?"])
+    cfg, target, export, drafter, prompts = served_run(vllm_run)
     B, new, T, seeds = drafter.config.block_size, 32, 0.1, [0, 1, 2, 3]
     alpha = 0.001  # unseeded requests differ run to run: a pass must not be a coin flip, a planted fault is far off
     own = {r: served.own_sampled(target, drafter, prompts, B, new, T, seeds, r) for r in ("sampled", "greedy_draft")}
