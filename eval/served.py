@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from dflash_pipeline.conf.progress import Progress
 from dflash_pipeline.eval import significance
-from dflash_pipeline.eval.decode import speculative
+from dflash_pipeline.eval.decode import ACCEPTANCE_RULES, speculative
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
 from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
 
@@ -337,14 +337,14 @@ def sampled_set(engine: ServedEval, target, drafter, prompts: list[list[int]], b
     served = engine.run_sampled(prompts, max_new_tokens, target.eos_ids, temperature, seeds, batch, label)
     rule = RULE_OF[draft_sample_method]
     own = own or {r: own_sampled(target, drafter, prompts, block_size, max_new_tokens, temperature, seeds, r)
-                  for r in ("sampled", "greedy_draft")}
+                  for r in ACCEPTANCE_RULES}
     both = served["seeded"] + served["unseeded"]
     info = {"version": engine.spec.version, "checks": engine.spec.checks, "repaired": engine.spec.repaired}
     dist = {"served": distribution(target, prompts, both, temperature),
             "own": distribution(target, prompts, own[rule], temperature)}
     k = block_size - 1
-    verdict = sampled_gate(own[rule], both, k, alpha, rule, temperature, dist["served"], info,
-                           own["greedy_draft" if rule == "sampled" else "sampled"])
+    other = next(r for r in ACCEPTANCE_RULES if r != rule)
+    verdict = sampled_gate(own[rule], both, k, alpha, rule, temperature, dist["served"], info, own[other])
     (log.info if verdict["pass"] else log.error)("%s: %s", label, verdict["line"])
     strip = lambda ds: [{k_: v for k_, v in d.items() if k_ != "output"} for d in ds]  # noqa: E731
     pooled, mine = significance.rate_table(both, k), significance.rate_table(own[rule], k)

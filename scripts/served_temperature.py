@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dflash_pipeline.eval import served as served_eval
+from dflash_pipeline.eval.decode import ACCEPTANCE_RULES
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.eval.stage import load_drafter, load_prompts
 from dflash_pipeline.models.target import load_target, target_folder
@@ -66,7 +67,7 @@ def main() -> None:
     for T in args.temperatures:
         t0 = time.perf_counter()
         own = {r: served_eval.own_sampled(target, drafter, prompts, B, args.max_new_tokens, T, seeds, r)
-               for r in ("sampled", "greedy_draft")}
+               for r in ACCEPTANCE_RULES}
         engines = [("greedy", "greedy", False), ("greedy_repaired", "greedy", True)]
         if T in args.probabilistic_at:
             engines.append(("probabilistic_repaired", "probabilistic", True))
