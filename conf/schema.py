@@ -18,7 +18,6 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from dflash_pipeline.conf.catalogue import COMPONENTS
 
 
 class Choice(str, Enum):
@@ -99,10 +98,6 @@ class DrafterInit(Choice):
 class Attention(Choice):
     eager = "eager"
     sdpa = "sdpa"
-
-
-# The trainable components of conf/catalogue.py (a plain table: importing it loads no component).
-Component = Choice("Component", {name: name for name in COMPONENTS})
 
 
 class Loss(Choice):
@@ -227,8 +222,9 @@ class TeacherConfig:
     batch_size: int = ranged(32, ge=1)  # most rows decoded together (continuous batching: finished rows refilled)
     prefill_batch_tokens: int = ranged(4096, ge=1)  # rows x longest prompt of the prompts admitted together
     capture_batch_tokens: int = ranged(8192, ge=1)  # rows x longest sequence of a feature-capture prefill batch
-    # during: features kept as generation computes them (measured faster); separate: one extra right-padded prefill
-    # pass after generation (features bit-identical however samples are batched)
+    # during: features kept as generation computes them, the default as it spares separate's pass (figures:
+    # docs/results/benchmarks.md); separate: one extra right-padded prefill pass after generation (features
+    # bit-identical however samples are batched)
     capture: Capture = Capture.during
     shard_size: int = ranged(64, ge=1)  # samples per shard
     feature_dtype: FeatureDType = FeatureDType.bfloat16  # float8_e4m3: half the disk; none: tokens only (online)
@@ -271,6 +267,83 @@ class DrafterConfig:
     # Start from a trained drafter's export folder (e.g. runs/<name>/train/export) instead of drafter.init: its
     # weights, same shape; a convolution the export lacks starts at the identity (a DFlash -> DFlash2 fine-tune)
     init_from: Optional[str] = None
+
+
+# -- the components trained on a frozen drafter (conf/catalogue.py): one config group each, conf/<name>/ ------------
+@dataclass
+class FrozenComponentConfig:
+    """What every component on a frozen drafter can set: where the drafter comes from, and loop settings (None:
+    the trainer.* value)."""
+
+    drafter_dir: Optional[str] = None  # the frozen drafter's export; None: this run's drafter stage
+    steps: Optional[int] = ranged(200, ge=1)
+    lr: Optional[float] = ranged(1e-3, gt=0.0)
+    warmup_steps: Optional[int] = ranged(None, ge=0)
+    batch_sequences: Optional[int] = ranged(None, ge=1)
+    anchors_per_sequence: Optional[int] = ranged(None, ge=1)
+    eval_every: Optional[int] = ranged(None, ge=1)
+
+
+@dataclass
+class SelectorConfig(FrozenComponentConfig):
+    """conf/selector/: the pair-codebook selector."""
+
+    top_k: int = ranged(16, ge=2)  # candidates per position
+    rank: int = ranged(256, ge=1)  # codebook rank r
+
+
+@dataclass
+class JumpConfig(FrozenComponentConfig):
+    """conf/jump/: the jump heads."""
+
+    top_k: int = ranged(16, ge=2)  # candidates re-ranked at each offset
+    rank: int = ranged(64, ge=1)
+    every: int = ranged(4, ge=1)  # offsets at block positions every, 2*every, ... (the anchor is position 0)
+    margin: float = 0.0  # fix an offset when its top-1 minus top-2 jump score is at least this
+    weight: float = ranged(1.0, ge=0.0)  # w in U + w * (residual - max residual)
+    kl_weight: float = ranged(0.0, ge=0.0, le=1.0)  # mix of KL to the target's stored top-k (needs topk_logprobs)
+
+
+@dataclass
+class JumpHeadConfig(FrozenComponentConfig):
+    """conf/jump_head/: the separate jump head."""
+
+    every: int = ranged(4, ge=1)  # offsets at block positions every, 2*every, ... (the anchor is position 0)
+    margin: float = 0.0  # fix an offset when the head's top-1 minus top-2 logit is at least this
+    num_heads: int = ranged(4, ge=1)  # attention heads of the head's layer (must divide the drafter's hidden size)
+    intermediate_size: Optional[int] = ranged(None, ge=1)  # its SwiGLU width; None: 2 x the drafter's hidden size
+    top_k: int = ranged(16, ge=2)  # the drafter's candidates per position, for the gap fill and the selector
+
+
+@dataclass
+class WeaverConfig(FrozenComponentConfig):
+    """conf/weaver/: the Weaver adapter and its trees."""
+
+    top_k: int = ranged(512, ge=2)  # the candidate pool per depth: the drafter's top-K there
+    rank: int = ranged(256, ge=2)  # the adapter's width
+    num_layers: int = ranged(2, ge=1)
+    num_heads: int = ranged(4, ge=1)
+    mlp_dim: int = ranged(512, ge=1)
+    # The decode settings (the trees' shape): not part of the training stage's hash, so changing them re-runs only
+    # the eval (conf/catalogue.py: decode_only). The root's depth-1 candidates: None widens it with the node budget
+    # (eval/components.py root_breadth).
+    children: int = ranged(8, ge=1)  # children an expanded node publishes to the frontier
+    root_children: Optional[int] = ranged(None, ge=1)
+    # Weaver calls a tree is built in: each expands ceil(budget / expansions) frontier nodes at once. Fewer calls
+    # build a tree faster and expand nodes before better ones on the frontier are known; the default is the count
+    # that kept acceptance while building fastest (docs/results/best-cpu-recipe.md).
+    expansions: int = ranged(4, ge=1)
+    kl_weight: float = ranged(0.0, ge=0.0)  # x KL(target restricted to the pool || Weaver) (needs topk_logprobs)
+    tv_weight: float = ranged(0.0, ge=0.0)  # x total variation against the same
+    eval_budget: int = ranged(32, ge=1)  # node budget of the held-out tree acceptance reported while training
+    eval_blocks: int = ranged(128, ge=1)  # held-out blocks it grows trees for (the first ones)
+
+
+# {component: its config section}, every component but the drafter (configured by the drafter and trainer sections)
+COMPONENT_CONFIGS = {"selector": SelectorConfig, "jump": JumpConfig, "jump_head": JumpHeadConfig,
+                     "weaver": WeaverConfig}
+# The trainable components (conf/catalogue.py says what each trains on and which sections it depends on).
+Component = Choice("Component", {name: name for name in ("drafter", *COMPONENT_CONFIGS)})
 
 
 @dataclass
@@ -369,13 +442,13 @@ class EvalConfig:
     # what vLLM does by default); both exact in distribution (eval/decode.py)
     acceptance_rule: AcceptanceRule = AcceptanceRule.sampled
     drafter_dir: Optional[str] = None  # an exported drafter folder; None: <run dir>/<trainer.out_dir>/export
-    methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # the components' METHODS (conf/catalogue.py)
+    methods: list[str] = ranged(nonempty=True, factory=lambda: ["chain"])  # names in eval/methods.py's catalogue
     recall_k: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [1, 4, 16])  # offline Recall@K
     # node budgets (excluding the root) of the tree methods (ddtree, weaver_tree): each is evaluated per budget
     tree_budgets: list[int] = ranged(ge=1, nonempty=True, factory=lambda: [16, 32, 64])
     timing_repeats: int = ranged(1, ge=1)  # A B B A passes (AR, spec, spec, AR) per prompt, after one warm-up
-    # passes of the verify-cost curve measured before each set's timing (medians of per-pass ratios; 9 passes
-    # varied c(8) by +-8% at 2 threads here, 24 by +-3%)
+    # passes of the verify-cost curve measured before each set's timing (medians of per-pass ratios): more passes
+    # steady the curve against the machine's slower spells (how much: docs/results/reference-recipe.md)
     cost_repeats: int = ranged(24, ge=1)
     strict_exact: bool = True  # greedy: raise on a wrong speculative output (False: record it in `mismatches`)
     # bf16/fp16 targets: a divergence from autoregressive decoding is a near-tie (reported, not raised) when the two
@@ -388,8 +461,8 @@ class EvalConfig:
     # target's dtype only
     baseline_dtypes: Optional[list[DType]] = None
     # torch intra-op threads while evaluating (restored after); None: torch's own setting. 1 by default: batch-1
-    # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other (tiny eval
-    # measured 3.6 s with 1 thread vs 63 s with 2 on a busy 2-core machine, with meaningless speedups).
+    # decoding is made of tiny matmuls, and on a shared CPU extra threads mostly wait on each other, which makes the
+    # timings and speedups meaningless (docs/metrics.md, 'Timing protocol').
     num_threads: Optional[int] = ranged(1, ge=1)
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # decoding policies' settings (eval/policies.py)
     served: ServedConfig = field(default_factory=ServedConfig)  # acceptance where users serve (eval/served.py)
@@ -397,7 +470,7 @@ class EvalConfig:
 
 @dataclass
 class LoggerConfig:
-    """Run logging (conf/logger.py): wandb or none; metrics.jsonl is always written."""
+    """Run logging (runtime/logger.py): wandb or none; metrics.jsonl is always written."""
 
     kind: LoggerKind = LoggerKind.wandb
     project: str = "dflash"
@@ -433,9 +506,7 @@ class Config:
 @functools.cache
 def root_config() -> type:
     """The root schema: Config plus a section for every component that brings its own config (conf/<component>/)."""
-    from dflash_pipeline.conf import catalogue
-
-    sections = [(name, cls, field(default_factory=cls)) for name, cls in catalogue.config_classes().items()]
+    sections = [(name, cls, field(default_factory=cls)) for name, cls in COMPONENT_CONFIGS.items()]
     return dataclasses.make_dataclass("RootConfig", sections, bases=(Config,))
 
 
@@ -456,11 +527,6 @@ def check_config(cfg: DictConfig) -> None:
                 problems.append(f"{prefix}{f.name}={shown} {problem}")
 
     walk(root_config(), cfg, "")
-    from dflash_pipeline.conf import catalogue
-
-    unknown = [m for m in cfg.eval.methods if m not in catalogue.methods()]
-    if unknown:
-        problems.append(f"unknown eval.methods {unknown}; available: {', '.join(sorted(catalogue.methods()))}")
     if problems:
         raise ConfigError("; ".join(problems) + " (fix the value on the command line or in the experiment YAML)")
 
@@ -503,12 +569,6 @@ def job_dirname(overrides: str, limit: int = 200) -> str:
     return overrides.encode()[: limit - 17].decode(errors="ignore") + "-" + digest
 
 
-def root_config_groups() -> list[tuple[str, type]]:
-    from dflash_pipeline.conf import catalogue
-
-    return list(catalogue.config_classes().items())
-
-
 def register() -> None:
     """Register the schema: `base_config` for the root, `<group>/base` for each group's YAML files to extend."""
     cs = ConfigStore.instance()
@@ -523,6 +583,6 @@ def register() -> None:
         ("trainer", TrainerConfig),
         ("eval", EvalConfig),
         ("logger", LoggerConfig),
-        *root_config_groups(),
+        *COMPONENT_CONFIGS.items(),
     ]:
         cs.store(group=group, name="base", node=node)

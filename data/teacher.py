@@ -5,10 +5,11 @@ in order on the target's own earlier replies, mark the generated tokens as the l
 hidden states of every token (prompt included).
 
 Features (teacher.capture): `during` (default) keeps them as generation computes them: the last turn's prefill
-covers the prompt and each decode step its token (a finished row stays one extra step for its last token). It
-replaced a separate right-padded prefill pass over the finished sequences (`separate`, still available), which was
-40% of teacher time while keeping the taps costs ~3% (scripts/bench_teacher.py). `separate` gives features that
-are bit-identical however samples are batched; `during` matches them to float rounding (tested).
+covers the prompt and each decode step its token (a finished row stays one extra step for its last token).
+`separate` runs one more right-padded prefill pass over the finished sequences after generation: its features are
+bit-identical however samples are batched, `during`'s match them to float rounding (tested). `during` is the default
+because it spares that whole extra pass, while keeping the taps adds little to each step (scripts/bench_teacher.py;
+the figures: docs/results/benchmarks.md).
 
 teacher.mode=prefill takes the dataset's own assistant replies instead: one prefill per sequence gives the features
 and, at every token, the target's greedy choice after the dataset's prefix, which becomes that token's label
@@ -33,9 +34,9 @@ import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
 
-from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.conf.stages import config_hash, stage_config
+from dflash_pipeline.runtime.stages import config_hash, stage_config
 from dflash_pipeline.data.files import write_json
 from dflash_pipeline.data.shards import (FEATURE_DTYPES, FORMAT_VERSION, DatasetError, TeacherDataset,
                                          read_shard_record, write_shard)

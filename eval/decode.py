@@ -12,7 +12,7 @@ Speculative round (docs/metrics.md, 'The speculative round'), with L = the numbe
   commit    anchor + accepted drafts become context (their features come from this verify forward); the target's
             token after the accepted prefix is the next anchor; the target KV cache is cropped to the new L.
 
-Methods come from the components of conf/catalogue.py (each module's METHODS) and follow the protocol of
+Methods come from the catalogue of eval/methods.py and follow the protocol of
 eval/protocol.py: a block method's Proposal holds its drafts (a round verifies [anchor, drafts before the first
 NOT_VERIFIED]); a tree method's holds a DraftTree (eval/tree.py): the round verifies every node in one forward with
 an ancestor-only mask and keeps the accepted path's KV entries.

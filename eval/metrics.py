@@ -7,6 +7,7 @@ recall@K  per position: the target token is in the drafter's top-K, given positi
 """
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,8 +15,13 @@ import torch
 from dflash_pipeline.eval.protocol import CONTEXT, NOT_VERIFIED, drafter_blocks
 
 if TYPE_CHECKING:
-    from dflash_pipeline.conf.progress import Progress
+    from dflash_pipeline.runtime.progress import Progress
     from dflash_pipeline.models.drafter import DFlashDrafter
+
+
+def median(xs) -> float:
+    """The median of timings, 0.0 for none (a set without rounds of a kind)."""
+    return statistics.median(xs) if xs else 0.0
 
 
 def conditional_acceptance(correct: torch.Tensor, valid: torch.Tensor) -> tuple[list[float], list[int]]:

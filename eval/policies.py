@@ -1,7 +1,7 @@
 """Decoding policies: how a speculative round chooses its drafts and how many of them it verifies, on top of a
 trained drafter (and, for MOBS/BMOBS, the pair selector). Each policy is an eval method (eval/protocol.py ChainMethod),
-registered in the catalogue by the component whose outputs it reads (train/drafter.py, train/selector.py), and
-reported like every other method: exact against greedy decoding, with offline and online acceptance and speed.
+an entry of the method catalogue (eval/methods.py) under the component whose outputs it reads, and is reported
+like every other method: exact against greedy decoding, with offline and online acceptance and speed.
 
   boltzmann  per position, argmax over the top-K of z/T_i + g: T_i = max(T exp(-m_i), 0.02 T) with m_i the top-1 /
              top-2 logit margin, g a Gumbel value hashed from (context, position, token) (no RNG state: reruns agree)

@@ -3,10 +3,14 @@ and the wandb summary (scalars, a table, a line plot per method). Files are writ
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from dflash_pipeline.data.files import atomic_path
+from dflash_pipeline.data.files import atomic_path, write_json, write_text
 from dflash_pipeline.eval.metrics import simulated_tau
+from dflash_pipeline.runtime.logger import RunLogger
+
+log = logging.getLogger(__name__)
 
 
 def _f(x, digits: int = 3) -> str:
@@ -303,3 +307,18 @@ def log_wandb(logger, results: dict) -> None:
         for ds, r in per.items():
             run.summary[f"{m}/{ds}/tau_online"] = r["tau_online"]
             run.summary[f"{m}/{ds}/speedup"] = r["speedup"]
+
+
+def write_outputs(cfg, out: Path, results: dict, results_name: str) -> None:
+    """Every output of the eval stage: metrics.jsonl (+ wandb), results.md, acceptance.png, and last the results
+    file, whose presence marks the stage complete."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    logger = RunLogger(cfg, out, "eval")
+    logger.log(loggable(results), step=0)
+    log_wandb(logger, results)
+    logger.finish()
+    write_text(out / "results.md", markdown(results))
+    plot_acceptance(results, out / "acceptance.png")
+    write_json(out / results_name, results, indent=2)  # last: its presence marks the stage complete
+    log.info("evaluation written to %s; results:\n%s", out, summary(results, out))

@@ -20,16 +20,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.eval import significance
 from dflash_pipeline.eval.decode import ACCEPTANCE_RULES, speculative
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
+from dflash_pipeline.eval.errors import EvalError
+from dflash_pipeline.eval.metrics import median
+from dflash_pipeline.models.target import target_folder
 from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
 
 log = logging.getLogger(__name__)
@@ -165,10 +168,6 @@ def gate(own: dict, served: dict, dtype: str, tolerance: float, outputs_ok: bool
 
 
 # -- serving -----------------------------------------------------------------------------------------------------
-def _median(xs):
-    return statistics.median(xs) if xs else 0.0
-
-
 class ServedEval:
     """vLLM engines on the target (plain, and with the exported drafter), open for every eval set of a run. At
     temperature > 0 only the speculative engine runs (plain=False)."""
@@ -237,8 +236,8 @@ class ServedEval:
             bar.update(1)
         bar.close()
         out = {"outputs_plain": plain_out, "outputs_spec": spec_out, "counters": counters,
-               "tokens_per_s_plain": 1 / _median(plain_s) if plain_s else 0.0,
-               "tokens_per_s_spec": 1 / _median(spec_s) if spec_s else 0.0}
+               "tokens_per_s_plain": 1 / median(plain_s) if plain_s else 0.0,
+               "tokens_per_s_spec": 1 / median(spec_s) if spec_s else 0.0}
         out["speedup"] = out["tokens_per_s_spec"] / out["tokens_per_s_plain"] if plain_s else 0.0
         if batch > 1:
             group = (prompts * (batch // len(prompts) + 1))[:batch]  # a full batch even from few prompts
@@ -247,8 +246,8 @@ class ServedEval:
                                 (self.plain, "plain")):
                 res = go(engine, group, True)
                 runs[key].append(sum(len(o) for o in res["outputs"]) / res["seconds"][0])
-            out.update(batch=batch, tokens_per_s_plain_batched=_median(runs["plain"]),
-                       tokens_per_s_spec_batched=_median(runs["spec"]))
+            out.update(batch=batch, tokens_per_s_plain_batched=median(runs["plain"]),
+                       tokens_per_s_spec_batched=median(runs["spec"]))
             out["speedup_batched"] = out["tokens_per_s_spec_batched"] / out["tokens_per_s_plain_batched"]
         return out
 
@@ -363,9 +362,31 @@ def sampled_set(engine: ServedEval, target, drafter, prompts: list[list[int]], b
                         "own": {r: strip(v) for r, v in own.items()}}}
 
 
-def compare(served: dict, prompts: list[dict], own_rounds: list[list[int]], own_spec: list[list[int]],
-            own_ar: list[list[int]], drafts_per_round: int, dtype: str, judge: ExactnessJudge, tolerance: float,
-            served_contract: dict, own_contract: dict, teacher_forced_a_k: list[float], own_a_k: list[float]) -> dict:
+@dataclass
+class OwnSet:
+    """The own loop's chain runs of one eval set, as the served eval compares them."""
+
+    prompts: list[dict]
+    ar: list[list[int]]  # the first autoregressive reply per prompt: the exactness reference
+    rounds: list[list[int]]  # accepted drafts per round of the first speculative run
+    spec: list[list[int]]  # that run's output
+    a_k: list[float]  # the own loop's a_k online, as reported
+    a_k_teacher_forced: list[float]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What the greedy parity gate judges with."""
+
+    drafts_per_round: int
+    dtype: str
+    tolerance: float  # eval.served.tolerance: reduced precision's allowance per position
+    judge: ExactnessJudge
+    served_contract: dict  # export_contract of the export vLLM loads
+    own_contract: dict  # drafter_contract of the drafter the own loop runs
+
+
+def compare(served: dict, own: OwnSet, g: Gate) -> dict:
     """The served figures of one eval set beside the own loop's, with the exactness of every served output and
     the gate's verdict.
 
@@ -373,6 +394,8 @@ def compare(served: dict, prompts: list[dict], own_rounds: list[list[int]], own_
     its rounds are not comparable; the gate compares the prompts whose own and served speculative outputs both equal
     the own autoregressive reference (the same token paths: what still differs is the engines' rounding in the
     drafter and the verify), and the whole set's figures are reported beside (all prompts when none is left)."""
+    prompts, own_ar, own_spec, own_rounds = own.prompts, own.ar, own.spec, own.rounds
+    drafts_per_round, dtype, judge = g.drafts_per_round, g.dtype, g.judge
     near_ties, wrong = [], []
     for p, ref, plain, spec in zip(prompts, own_ar, served["outputs_plain"], served["outputs_spec"]):
         for what, other in (("vLLM plain", plain), ("vLLM speculative", spec)):
@@ -388,8 +411,8 @@ def compare(served: dict, prompts: list[dict], own_rounds: list[list[int]], own_
     counts_own = own_counts(own_rounds, drafts_per_round)
     outputs_ok = not wrong and (dtype != "float32" or not near_ties)
     verdict = gate(own_counts([own_rounds[i] for i in gated], drafts_per_round),
-                   summed([served["counters"][i] for i in gated], drafts_per_round), dtype, tolerance, outputs_ok,
-                   served_contract, own_contract)
+                   summed([served["counters"][i] for i in gated], drafts_per_round), dtype, g.tolerance, outputs_ok,
+                   g.served_contract, g.own_contract)
     verdict["prompts_compared"] = len(gated)
     plain_off = [w for w in wrong if w["run"] == "vLLM plain"]
     if plain_off and not verdict["pass"]:  # the engine decodes the target itself differently: no drafter key to blame
@@ -405,8 +428,8 @@ def compare(served: dict, prompts: list[dict], own_rounds: list[list[int]], own_
     rs, ro = rates(counts_served), rates(counts_own)
     res = {
         "prompts": len(prompts),
-        "a_k_served": rs["a_k"], "a_k_own": ro["a_k"], "a_k_own_reported": own_a_k,
-        "a_k_teacher_forced": teacher_forced_a_k,
+        "a_k_served": rs["a_k"], "a_k_own": ro["a_k"], "a_k_own_reported": own.a_k,
+        "a_k_teacher_forced": own.a_k_teacher_forced,
         "tau_served": rs["tau"], "tau_own": ro["tau"],
         "counters_served": counts_served, "counters_own": counts_own,
         "counters_served_per_prompt": served["counters"], "same_path_prompts": same_path,
@@ -416,4 +439,85 @@ def compare(served: dict, prompts: list[dict], own_rounds: list[list[int]], own_
         **{k: v for k, v in served.items() if not k.startswith(("outputs", "counters"))},
     }
     (log.info if verdict["pass"] else log.error)("%s", verdict["line"])
+    return res
+
+
+# -- the eval stage's served step --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the served eval of a run reads from its config and target (eval/stage.py builds it)."""
+
+    cache_dir: str
+    target_dir: Path  # the target's folder, as vLLM loads it
+    drafter_dir: Path  # the export vLLM loads
+    dtype: str
+    block_size: int
+    max_model_len: int
+    threads: int
+    max_new_tokens: int
+    online_prompts: int  # the first prompts of each set, those the own loop timed
+    repeats: int  # eval.timing_repeats
+    temperature: float
+    seed: int
+    served: object  # the eval.served section (conf/schema.py ServedConfig)
+
+    @classmethod
+    def of(cls, cfg, target, drafter_dir: Path, block_size: int) -> ServeSettings:
+        e = cfg.eval
+        return cls(cache_dir=cfg.cache_dir, target_dir=target_folder(cfg.target, cfg.cache_dir),
+                   drafter_dir=drafter_dir, dtype=target.dtype, block_size=block_size,
+                   max_model_len=target.config.max_position_embeddings,
+                   threads=e.num_threads or torch.get_num_threads(), max_new_tokens=e.max_new_tokens,
+                   online_prompts=e.online_prompts, repeats=e.timing_repeats, temperature=e.temperature,
+                   seed=e.seed, served=e.served)
+
+
+def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets: dict[str, list[dict]],
+          own_runs: dict, results: dict) -> dict:
+    """The exported drafter served by vLLM on each set's online prompts, beside the own loop's chain runs of the
+    same prompts: per-position acceptance served / own loop / teacher-forced, exactness, speed, and the parity gate's
+    verdict per set (greedy: counters equal; temperature > 0: the statistical gate over seeds)."""
+    out = {"engine": str(s.served.engine), "target_dir": str(s.target_dir), "threads": s.threads, "dtype": s.dtype,
+           "tolerance": s.served.tolerance, "sets": {}}
+    log_file = Path(s.cache_dir) / "vllm" / "engine.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.unlink(missing_ok=True)  # this run's engines only
+    log.info("serving %s on %s in vLLM (%s, %d threads; engine log %s)", s.drafter_dir, s.target_dir, s.dtype,
+             s.threads, log_file)
+    sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
+    engine = ServedEval(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len, s.threads,
+                        log_file, plain=not sampled, draft_sample_method=s.served.draft_sample_method if sampled
+                        else "greedy", repair=s.served.repair)
+    try:
+        for label, prompts in prompt_sets.items():
+            timed = prompts[: s.online_prompts]
+            out["sets"][label] = (_sampled(s, engine, target, drafter, timed, label) if sampled else
+                                  _greedy(s, engine, target, drafter, judge, timed, label, own_runs, results))
+    finally:
+        engine.close()
+    out["pass"] = all(r["gate"]["pass"] for r in out["sets"].values())
+    if not out["pass"] and s.served.strict:
+        raise EvalError("; ".join(r["gate"]["line"] for r in out["sets"].values() if not r["gate"]["pass"])
+                        + " (eval.served.strict=true)")
+    return out
+
+
+def _sampled(s: ServeSettings, engine: ServedEval, target, drafter, timed: list[dict], label: str) -> dict:
+    seeds = [s.seed + i for i in range(s.served.seeds)]
+    return sampled_set(engine, target, drafter, [p["prompt_ids"] for p in timed], s.block_size, s.max_new_tokens,
+                       s.temperature, seeds, s.served.batch, s.served.alpha, s.served.draft_sample_method, label)
+
+
+def _greedy(s: ServeSettings, engine: ServedEval, target, drafter, judge: ExactnessJudge, timed: list[dict],
+            label: str, own_runs: dict, results: dict) -> dict:
+    ar, rounds, spec = own_runs[label]["chain"]
+    own = results["methods"]["chain"][label]
+    served = engine.run([p["prompt_ids"] for p in timed], s.max_new_tokens, target.eos_ids, s.repeats,
+                        s.served.batch, label)
+    gate = Gate(s.block_size - 1, s.dtype, s.served.tolerance, judge, export_contract(s.drafter_dir),
+                drafter_contract(drafter))
+    res = compare(served, OwnSet(timed, ar, rounds, spec, own["a_k_online"],
+                                 results["offline"][label]["methods"]["chain"]["a_k"]), gate)
+    fastest = min(own.get("ms_per_token_ar_by_dtype", {}).values(), default=own["ms_per_token_ar"])
+    res["speedup_vs_own_fastest_ar"] = res["tokens_per_s_spec"] * fastest / 1e3
     return res

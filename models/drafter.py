@@ -1,6 +1,6 @@
-"""DFlash block drafter (docs/methods.md; export format: docs/export.md), in reading order: config, attention
-kernels, attention, layer, model. Norm, rotary embedding and MLP are transformers' Qwen3 modules; only the attention
-over [context | block] is written here.
+"""DFlash block drafter (docs/methods.md; its export format: models/export.py, docs/export.md), in reading order:
+config, attention kernels, attention, layer, model. Norm, rotary embedding and MLP are transformers' Qwen3 modules;
+only the attention over [context | block] is written here.
 
 The drafter drafts a whole block of B tokens in one forward. Its queries are the block tokens
 ([anchor, MASK x (B-1)], embedded with the target's frozen table); every layer's keys/values are its own k_proj/v_proj
@@ -21,30 +21,16 @@ n tapped target layers, h heads, hk kv heads, D head dim.
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv,
                                                       rotate_half)
 
-from dflash_pipeline.data.files import save_safetensors, write_text
-from dflash_pipeline.models.selector import PASS_THROUGH, SELECTOR_PREFIX, pass_through_tensors
-
-log = logging.getLogger(__name__)
-
-
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Tapped target layers (docs/methods.md, 'Tapped layers'): the teacher's spacing (models/target.py), one rule."""
-    from dflash_pipeline.models.target import default_layer_ids
-
-    return default_layer_ids(num_target_layers, num_taps)
+from dflash_pipeline.models import export
 
 
 @dataclass
@@ -94,45 +80,13 @@ class DFlashDrafterConfig:
             raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
 
     def to_dict(self) -> dict:
-        """The config.json that serving engines load (docs/export.md); a weight-tied stack is written unrolled, a
-        convolution drafter as DFlash2 (its selector keys come with the selector's tensors: export_tensors)."""
-        dflash_config = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        if self.conv_kernel_size:
-            dflash_config.update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
-                                 input_embedding_scale=1.0, output_multiplier=1.0, **PASS_THROUGH)
-        return {
-            "architectures": ["DFlash2DraftModel" if self.conv_kernel_size else "DFlashDraftModel"],
-            "model_type": "qwen3",
-            "num_hidden_layers": self.num_hidden_layers * self.layer_repeats,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": False,
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "target_hidden_size": self.target_hidden_size,
-            "dflash_config": dflash_config,
-            "hidden_act": "silu",
-            "attention_bias": False,
-        }
+        """The config.json that serving engines load (models/export.py config_json, docs/export.md)."""
+        return export.config_json(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> DFlashDrafterConfig:
-        """Inverse of to_dict; keys it does not know (e.g. the exporter's "pipeline" section) are ignored."""
-        nested = d["dflash_config"]
-        values = {f.name: d[f.name] for f in fields(cls)
-                  if f.name not in ("target_layer_ids", "mask_token_id", "rope_scaling", "attn_implementation",
-                                    "layer_repeats", "conv_kernel_size", "conv_group_size")}
-        conv = {k: nested[k] for k in ("conv_kernel_size", "conv_group_size") if k in nested}
-        return cls(**values, rope_scaling=d.get("rope_scaling"), target_layer_ids=list(nested["target_layer_ids"]),
-                   mask_token_id=nested["mask_token_id"], **conv)
+        """Inverse of to_dict (models/export.py config_from_json)."""
+        return export.config_from_json(cls, d)
 
     def qwen3_config(self) -> Qwen3Config:
         """The transformers config that builds the Qwen3 modules (MLP, rotary with the target's rope parameters)."""
@@ -142,19 +96,6 @@ class DFlashDrafterConfig:
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size, hidden_act="silu",
             rope_parameters={"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta})
-
-
-def identity_convolution(config: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """What turns a DFlash export (config.json `config`) into a DFlash2 one that drafts the same: a one-tap convolution
-    of one group per layer at the identity (GroupedConv's init) -> (tensors, dflash_config keys). Engines load a
-    selector only as DFlash2, whose layers always convolve."""
-    H, tensors = config["hidden_size"], {}
-    for i in range(config["num_hidden_layers"]):
-        for side in ("attention_conv", "mlp_conv"):
-            tensors[f"layers.{i}.{side}.base_kernel"] = torch.ones(2, 1, H)
-            tensors[f"layers.{i}.{side}.kernel_projection.weight"] = torch.zeros(2, H)
-    return tensors, {"conv_kernel_size": 1, "conv_group_size": H, "input_embedding_scale": 1.0,
-                     "output_multiplier": 1.0}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -439,7 +380,8 @@ class DFlashDrafter(nn.Module):
             weight = weight[self.draft_to_target]
             bias = None if bias is None else bias[self.draft_to_target]
         # one (rows, H) @ (H, V) product: a strided 3-D input (training's hidden[keep][:, 1:]) would make F.linear
-        # broadcast the head into a batched matmul, measured 5x slower forward + backward on a CPU
+        # broadcast the head into a batched matmul, several times slower forward + backward on a CPU
+        # (docs/results/peers.md)
         flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
         return F.linear(flat, weight, bias).view(*hidden.shape[:-1], weight.shape[0])
 
@@ -521,95 +463,14 @@ class DFlashDrafter(nn.Module):
             x = self.layers[i](x, cache.keys[i], cache.values[i], cos, sin)
         return self.norm(x)
 
-    # ---- checkpoint: the engine format of docs/export.md ----
-
-    def export_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The tensors of model.safetensors and the top-level config.json keys of the engine format (docs/export.md).
-
-        Full vocabulary: the drafter's own weights only; engines reuse the target's embed_tokens and lm_head.
-        Draft vocabulary (Vd < V), the reduced-vocabulary convention of vLLM's DFlash / EAGLE-3 loaders: also
-        `lm_head.weight` (Vd, H), the target's LM-head rows the drafter was trained against, in the head's dtype;
-        `d2t` (Vd,) int64 offsets, target id = draft id + d2t[draft id]; and config.json `draft_vocab_size` = Vd.
-        A draft vocabulary that covers the whole target vocabulary is exported as the full vocabulary.
-        DFlash2 (the convolution): also the selector that scores nothing (models/selector.py PASS_THROUGH), which a
-        trained selector's export replaces. With a draft vocabulary it is written with `lm_head` + `d2t` as above,
-        but vLLM 0.32's DFlash2 picks candidates from its draft head without d2t (docs/export.md): warned.
-        """
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "draft_to_target"}
-        L, stack = len(self.layers), [k.split(".", 2)[1:] for k in tensors if k.startswith("layers.")]
-        for r in range(1, self.config.layer_repeats):  # weight-tied depth, unrolled: pass r is layers r*L .. r*L+L-1
-            for i, rest in stack:
-                tensors[f"layers.{r * L + int(i)}.{rest}"] = tensors[f"layers.{i}.{rest}"].clone()
-        ids = self.draft_to_target
-        if self.config.conv_kernel_size:
-            if ids is not None and len(ids) != self.config.vocab_size:
-                log.warning("a DFlash2 drafter with a draft vocabulary: vLLM's DFlash2 (0.32) takes its candidates "
-                            "from the draft head without mapping them through d2t, so it would draft wrong ids; "
-                            "train without trainer.draft_vocab_size to serve it there (docs/export.md)")
-            tensors.update(pass_through_tensors(self.config.vocab_size, self.config.hidden_size))
-        if ids is None or len(ids) == self.config.vocab_size:
-            return tensors, {}
-        if self.lm_head.bias is not None:
-            raise ValueError("the target's LM head has a bias; the engines' draft-vocabulary lm_head has none")
-        ids = ids.cpu()
-        tensors["lm_head.weight"] = self.lm_head.weight.detach()[ids.to(self.lm_head.weight.device)].cpu().contiguous()
-        tensors["d2t"] = ids - torch.arange(len(ids))
-        return tensors, {"draft_vocab_size": len(ids)}
+    # ---- checkpoint: the engine format of docs/export.md, written and read by models/export.py ----
 
     def save_pretrained(self, path: str, extra_config: dict | None = None):
-        """Write config.json and model.safetensors in the engine format of `export_tensors`, each atomically."""
-        os.makedirs(path, exist_ok=True)
-        tensors, top_level = self.export_tensors()
-        config = self.config.to_dict()
-        config.update(top_level)
-        config.update(extra_config or {})
-        weights_file, config_file = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
-        save_safetensors(tensors, weights_file, metadata={"format": "pt"})
-        write_text(config_file, json.dumps(config, indent=2))
+        """Write config.json and model.safetensors in the engine format (models/export.py save_export)."""
+        export.save_export(self, path, extra_config)
 
     @classmethod
     def from_pretrained(cls, path: str, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DFlashDrafter:
-        """Load a save_pretrained folder (safetensors only); every key must match exactly. Weights are copied into
-        a float32 model: cast with .to(dtype) afterwards.
-
-        A draft-vocabulary export (`d2t` + `lm_head.weight`) restores the draft vocabulary; its lm_head must be the
-        given target's rows (compared in the narrower of the two dtypes), else the drafter was trained against
-        another target. Older exports that stored the ids as `draft_to_target` still load."""
-        with open(os.path.join(path, "config.json")) as f:
-            config_dict = json.load(f)
-        model = cls(DFlashDrafterConfig.from_dict(config_dict), embed_tokens, lm_head)
-        # a DFlash2 export's selector tensors are the selector's (load_selector), not the drafter's
-        tensors = {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items()
-                   if not k.startswith(SELECTOR_PREFIX)}
-        own = set(model.state_dict())
-        vocab = model.config.vocab_size
-        if config_dict.get("draft_vocab_size", vocab) != vocab:
-            vocab_keys = {"d2t", "lm_head.weight"}
-        elif config_dict["dflash_config"].get("draft_vocab_size") is not None:
-            vocab_keys = {"draft_to_target"}  # the format before d2t
-        else:
-            vocab_keys = set()
-        expected = own | vocab_keys
-        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        if missing or unexpected:
-            raise ValueError(f"{path}/model.safetensors does not match the drafter: missing keys {missing}, "
-                             f"unexpected keys {unexpected}")
-        if "d2t" in vocab_keys:
-            d2t, head = tensors["d2t"], tensors["lm_head.weight"]
-            if d2t.shape != (config_dict["draft_vocab_size"],) or head.shape != (len(d2t), model.config.hidden_size):
-                raise ValueError(f"{path}: d2t {tuple(d2t.shape)} / lm_head.weight {tuple(head.shape)} do not match "
-                                 f"draft_vocab_size {config_dict['draft_vocab_size']}")
-            ids = torch.arange(len(d2t)) + d2t.long()
-            model.set_draft_vocab(ids)
-            rows = lm_head.weight.detach()[ids.to(lm_head.weight.device)].cpu()
-            dtype = head.dtype if head.element_size() <= rows.element_size() else rows.dtype
-            if not torch.equal(head.to(dtype), rows.to(dtype)):
-                raise ValueError(f"{path}: lm_head.weight is not the given target's LM-head rows of the draft "
-                                 "vocabulary; the drafter was exported for another target")
-        elif vocab_keys:
-            model.set_draft_vocab(tensors["draft_to_target"])
-        state = {k: tensors[k] for k in own}
-        if model.draft_to_target is not None:
-            state["draft_to_target"] = model.draft_to_target
-        model.load_state_dict(state, strict=True)
-        return model
+        """Load a save_pretrained folder (models/export.py load_export): every key must match exactly; float32
+        weights, cast with .to(dtype) afterwards."""
+        return export.load_export(cls, DFlashDrafterConfig, path, embed_tokens, lm_head)

@@ -22,6 +22,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+# The jump heads' tensors in a component export are named under this prefix (docs/export.md).
+JUMP_PREFIX = "jump_heads."
+
 # transition(hidden (M, H), prev_ids (M, Kp), cand_ids (M, Ks)) -> (M, Kp, Ks): the pair score of predecessor
 # prev_ids[m, a] followed by candidate cand_ids[m, b], read from the drafter hidden state at the candidate's position.
 # It is added to the candidate's drafter logit U (so it must not include U itself).

@@ -25,6 +25,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dflash_pipeline.models.jump import Transition, check_offsets, fill_gaps
 
+# The separate jump head's tensors in a component export are named under this prefix (docs/export.md).
+JUMP_HEAD_PREFIX = "jump_head."
+
 
 class BlockAttention(nn.Module):
     """Multi-head attention of the offsets' queries over every position of the block (no mask: bidirectional)."""

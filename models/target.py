@@ -1,7 +1,7 @@
 """The frozen target (verifier): loading it from a GGUF package, the hub/a folder, or building the tiny one.
 
-GGUF loading dequantises every tensor (~20-30 s for SmolLM2 on 2 cores), so the first load converts it into a
-safetensors model folder under the cache directory and every later load reads that folder (~0.1 s).
+GGUF loading dequantises every tensor, far slower than reading a safetensors folder, so the first load converts it
+into a safetensors model folder under the cache directory and every later load reads that folder (docs/data.md).
 """
 from __future__ import annotations
 

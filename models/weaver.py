@@ -30,6 +30,9 @@ from torch import nn
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
+# The Weaver's tensors in a component export are named under this prefix (docs/export.md).
+WEAVER_PREFIX = "weaver."
+
 ROPE_BASE = 10_000.0
 
 

@@ -14,7 +14,7 @@ import statistics
 import torch
 from omegaconf import OmegaConf
 
-from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
+from dflash_pipeline.cli.entrypoints import compose_run, measurement_parser
 from dflash_pipeline.conf.schema import PolicyConfig
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import chat_segments

@@ -36,7 +36,8 @@ def child(shape: str, layers: int, out: Path) -> None:
     """One rank of the FSDP launch: build, shard, train 2 steps, write this rank's figures."""
     from accelerate import Accelerator
 
-    from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig, default_target_layer_ids
+    from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
+    from dflash_pipeline.models.target import default_layer_ids
     from dflash_pipeline.train.parallel import Sharded
 
     H, I, heads, kv, hd, L, taps = SHAPES[shape]
@@ -46,7 +47,7 @@ def child(shape: str, layers: int, out: Path) -> None:
     config = DFlashDrafterConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
                                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, rms_norm_eps=1e-5,
                                  rope_theta=5e5, max_position_embeddings=4096, vocab_size=V, block_size=16,
-                                 target_hidden_size=H, target_layer_ids=default_target_layer_ids(L, taps),
+                                 target_hidden_size=H, target_layer_ids=default_layer_ids(L, taps),
                                  num_target_layers=L, mask_token_id=V - 1)
     embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
     for p in (*embed.parameters(), *head.parameters()):

@@ -10,7 +10,7 @@ of each anchor's row, as a decode round has them) and times, per budget, each me
 a round spends on selection; the target's verify is not included). Prints the median ms per round over the blocks
 (best of --repeats passes, against other processes on the machine), the Weaver's
 expand calls per round, and a target step (1-token forward at 256 tokens of context) for scale. The Weaver's
-root breadth follows weaver.root_children (unset: it widens with the budget, train/weaver.py root_breadth; set it
+root breadth follows weaver.root_children (unset: it widens with the budget, eval/components.py root_breadth; set it
 to compare builders on the same trees). --expansions times the Weaver built in that many calls each (weaver.expansions:
 fewer, wider calls); --tau-blocks N adds each tree's teacher-forced tau on the first N held-out anchors, so a cheaper
 build is weighed against the acceptance it gives up.
@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
-from dflash_pipeline.conf.stages import stage_dir
+from dflash_pipeline.cli.entrypoints import compose_run, measurement_parser
+from dflash_pipeline.runtime.stages import stage_dir
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.splits import split_heldout
 from dflash_pipeline.eval.protocol import drafter_blocks
-from dflash_pipeline.eval.stage import load_drafter
+from dflash_pipeline.eval.inputs import load_drafter
 from dflash_pipeline.eval.tree import DDTreeMethod, tree_offline_metrics
 from dflash_pipeline.models.generation import capture
 from dflash_pipeline.models.target import load_target
-from dflash_pipeline.train.weaver import WeaverTreeMethod, load_weaver, weaver_tree
+from dflash_pipeline.eval.components import WeaverTreeMethod, load_weaver, weaver_tree
 
 
 def main() -> None:

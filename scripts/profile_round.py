@@ -16,12 +16,13 @@ import statistics
 
 import torch
 
-from dflash_pipeline.conf.entrypoints import compose_run, measurement_parser
+from dflash_pipeline.cli.entrypoints import compose_run, measurement_parser
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.exactness import DEFAULT_TOLERANCE, ExactnessJudge
 from dflash_pipeline.eval.policies import measure_costs
-from dflash_pipeline.eval.stage import decode_context, load_drafter, load_prompts
+from dflash_pipeline.eval.costs import decode_context
+from dflash_pipeline.eval.inputs import load_drafter, load_prompts
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.models.target import load_target
 

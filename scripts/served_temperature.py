@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from dflash_pipeline.eval import served as served_eval
 from dflash_pipeline.eval.decode import ACCEPTANCE_RULES
 from dflash_pipeline.eval.references import ReferenceCache
-from dflash_pipeline.eval.stage import load_drafter, load_prompts
+from dflash_pipeline.eval.inputs import load_drafter, load_prompts
 from dflash_pipeline.models.target import load_target, target_folder
 
 

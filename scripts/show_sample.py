@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflash_pipeline.conf.entrypoints import compose_run
+from dflash_pipeline.cli.entrypoints import compose_run
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.models.target import load_tokenizer
 

@@ -1,5 +1,6 @@
-"""The catalogue contract: every registered component trains on tiny, resumes to the losses of an uninterrupted run,
-exports, and its export reloads into the eval methods it brings; plus the selector's speculative sampling."""
+"""The catalogue contract: every component of conf/catalogue.py trains on tiny, resumes to the losses of an
+uninterrupted run, exports, and its export reloads into the eval methods it brings; plus the selector's speculative
+sampling."""
 from __future__ import annotations
 
 
@@ -14,9 +15,11 @@ from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.models.target import load_target
 from dflash_pipeline.conf import catalogue
-from dflash_pipeline.eval.stage import make_method
+from dflash_pipeline.conf.schema import COMPONENT_CONFIGS
+from dflash_pipeline.eval.methods import METHODS, make_method
+from dflash_pipeline.train.loop import COMPONENTS as TRAINING
 from dflash_pipeline.train.loop import run_train
-from dflash_pipeline.train.selector import SelectorMethod
+from dflash_pipeline.eval.components import SelectorMethod
 
 from conftest import chi_square_p, make_config, metrics, sampling_case
 
@@ -50,7 +53,7 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
     tgt = load_target(cfg.target, cfg.cache_dir).model
     drafter = DFlashDrafter.from_pretrained(str(export if name == "drafter" else tiny_drafter_run / "export"),
                                             tgt.get_input_embeddings(), tgt.get_output_embeddings())
-    methods = {m: entry for m, (owner, entry) in catalogue.methods().items() if owner == name}
+    methods = {m: entry for m, entry in METHODS.items() if entry.component == name}
     assert methods, f"{name} brings no eval method"
     for method_name, entry in methods.items():
         if entry.also_needs:  # uses another component's export too: covered by the tiny pipeline test
@@ -61,7 +64,7 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
             tree = make_method(method_name, drafter, exports, budget=6).tree(
                 hidden[0], torch.randn(drafter.config.target_hidden_size), 1)
             assert len(tree) == 6 and int(tree.depths.max()) <= drafter.config.block_size - 1
-            if catalogue.module(name).CONFIG is not None and "children" in cfg[name]:  # the method reads its config
+            if catalogue.component(name).config is not None and "children" in cfg[name]:  # the method reads its config
                 assert make_method(method_name, drafter, exports, budget=6,
                                              config=make_config(f"{name}.children=3")[name]).children == 3
             continue
@@ -103,7 +106,7 @@ def test_eval_refuses_a_component_trained_on_another_drafter(tmp_path):
     evaluates, so a selector trained on yesterday's drafter is refused instead of scored on today's."""
     from safetensors.torch import save_file
 
-    from dflash_pipeline.eval.stage import drafter_difference
+    from dflash_pipeline.eval.methods import drafter_difference
 
     fixture = Path(__file__).parent / "fixtures" / "tiny_drafter"
     base = load_file(str(fixture / "model.safetensors"))
@@ -148,10 +151,14 @@ def test_no_component_is_half_registered():
     root = Path(__file__).parents[1] / "conf"
     defaults = OmegaConf.load(root / "config.yaml").defaults
     groups = {k for entry in defaults if isinstance(entry, dict) or OmegaConf.is_dict(entry) for k in entry}
-    for name in catalogue.config_classes():
+    for name in COMPONENT_CONFIGS:
         assert name in groups, f"conf/config.yaml's defaults lack `- {name}: default`"
         assert (root / name / "default.yaml").is_file(), f"conf/{name}/default.yaml is missing"
     cfg = make_config()
-    assert set(cfg.eval.methods) == set(catalogue.methods())
-    assert {str(c) for c in cfg.pipeline.components} == {n for n in catalogue.COMPONENTS
-                                                         if catalogue.on_frozen_drafter(n)}
+    assert set(cfg.eval.methods) == set(METHODS)
+    assert {str(c) for c in cfg.pipeline.components} == {n for n, c in catalogue.COMPONENTS.items()
+                                                         if c.on_frozen_drafter}
+    # the configuration and the training code name the same components, each with its config section
+    assert set(catalogue.COMPONENTS) == set(TRAINING) == {"drafter", *COMPONENT_CONFIGS}
+    assert {n: c.config for n, c in catalogue.COMPONENTS.items() if c.config} == COMPONENT_CONFIGS
+    assert {m.component for m in METHODS.values()} <= set(catalogue.COMPONENTS)

@@ -1,4 +1,4 @@
-"""The contract matrix, generated from the catalogue (conf/catalogue.py): every eval method, as evaluated (a tree
+"""The contract matrix, generated from the method catalogue (eval/methods.py): every eval method, as evaluated (a tree
 method once per node budget), against each contract a user relies on:
 
   offline   its teacher-forced metrics are well formed: a_k per position in [0, 1], tau_offline = 1 + sum of the
@@ -12,7 +12,8 @@ method once per node budget), against each contract a user relies on:
             which case sampling is refused before any decoding.
 
 A new component's methods enter the matrix by being registered; `test_the_contract_checks_catch_planted_bugs` shows
-each check failing on a method broken in its way. Also here: each component's SECTIONS cover the config it reads.
+each check failing on a method broken in its way. Also here: each component's sections (conf/catalogue.py) cover
+the config it reads.
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ import torch
 from omegaconf import OmegaConf
 
 from dflash_pipeline.conf import catalogue
-from dflash_pipeline.conf.stages import stage_sections, train_stage
+from dflash_pipeline.runtime.stages import stage_sections, train_stage
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.metrics import offline_metrics, simulated_tau
-from dflash_pipeline.eval.stage import load_drafter, load_methods, make_method, reply_items
+from dflash_pipeline.eval.inputs import load_drafter, reply_items
+from dflash_pipeline.eval.methods import METHODS, evaluated_names, load_methods, make_method
+from dflash_pipeline.train.loop import COMPONENTS as TRAINING
 from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.selector import PairSelector
 from dflash_pipeline.models.target import load_target
@@ -37,13 +40,13 @@ from conftest import chat_prompt_ids, chi_square_p, make_config, sampling_case
 VARYING = ("target.tiny.initializer_range=0.1", "drafter.block_size=4", "trainer.steps=30", "trainer.lr=3e-3",
            "trainer.batch_sequences=4", "trainer.save_every=30", "trainer.eval_every=30")
 BUDGETS = [4, 8]
-CASES = sorted(catalogue.evaluated_names(sorted(catalogue.methods()), BUDGETS).items())
+CASES = sorted(evaluated_names(sorted(METHODS), BUDGETS).items())
 PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "List three primary colours."]
 NEW_TOKENS = 24
 
 
 def contract_config(*extra: str):
-    return make_config(*VARYING, f"eval.methods=[{','.join(sorted(catalogue.methods()))}]",
+    return make_config(*VARYING, f"eval.methods=[{','.join(sorted(METHODS))}]",
                        f"eval.tree_budgets=[{','.join(map(str, BUDGETS))}]", *extra)
 
 
@@ -60,8 +63,8 @@ def varying(tmp_path_factory):
     cfg = contract_config()
     teacher = run_teacher(cfg, root / "teacher")
     train = run_train(cfg, root / "train", data_dir=teacher)
-    for name in catalogue.COMPONENTS:
-        if catalogue.on_frozen_drafter(name):
+    for name, entry in catalogue.COMPONENTS.items():
+        if entry.on_frozen_drafter:
             run_train(cfg, train / name, data_dir=teacher, component=name, drafter_dir=train / "export")
     target = load_target(cfg.target, cfg.cache_dir)
     drafter, drafter_dir = load_drafter(cfg, train, target)
@@ -167,9 +170,8 @@ def sampling(tmp_path_factory):
     drafter.save_pretrained(str(root / "drafter"))
     exports, configs = {}, {}
     for name, (fresh, settings) in FRESH.items():
-        mod = catalogue.module(name)
-        configs[name] = config = OmegaConf.merge(OmegaConf.structured(mod.CONFIG), settings)
-        comp = mod.COMPONENT.__new__(mod.COMPONENT)
+        configs[name] = config = OmegaConf.merge(OmegaConf.structured(catalogue.component(name).config), settings)
+        comp = TRAINING[name].__new__(TRAINING[name])
         comp.drafter_dir, comp.own, comp.settings = root / "drafter", config, SimpleNamespace(steps=0)
         exports[name] = comp.export(fresh(drafter, config).eval(), root / name)  # the component's own export
     return SimpleNamespace(target=tgt, drafter=drafter, prompt=prompt, joint=joint, V=V, exports=exports,
@@ -181,13 +183,13 @@ def test_sampling_keeps_the_target_distribution_or_is_refused(sampling, varying,
     if varying.methods[name].greedy_only:  # refused on the very method the eval stage loads
         check_sampling(varying.target, varying.methods[name], varying.prompts[0], None, 0, varying.block)
         return
-    needs = catalogue.method_components(base)[1:]
+    entry = METHODS[base]
+    needs = entry.components()[1:]
     missing = [c for c in needs if c not in sampling.exports]
     assert not missing, f"{name} samples: add an untrained {missing} to FRESH in tests/test_contract.py"
-    owner = catalogue.methods()[base][0]
-    method = make_method(base, sampling.drafter, {c: sampling.exports[c] for c in needs}, budget=budget,
-                         config=sampling.configs.get(owner))
-    check_sampling(sampling.target, method, sampling.prompt, sampling.joint, sampling.V)
+    made = make_method(base, sampling.drafter, {c: sampling.exports[c] for c in needs}, budget=budget,
+                       config=sampling.configs.get(entry.component))
+    check_sampling(sampling.target, made, sampling.prompt, sampling.joint, sampling.V)
 
 
 # -- planted bugs: each check fails on a method broken in its way ---------------------------------------------
@@ -228,7 +230,7 @@ def test_the_contract_checks_catch_planted_bugs(varying, sampling):
                        sampling.V)
 
 
-# -- SECTIONS cover what a component reads ---------------------------------------------------------------------
+# -- sections cover what a component reads ----------------------------------------------------------------------
 # Config read by training that never changes a stage's output: where the target's converted files are cached.
 READ_WITHOUT_EFFECT = {"cache_dir"}
 
@@ -261,8 +263,9 @@ def test_sections_cover_the_config_a_component_reads(varying, tmp_path, name, ov
     for key, value in overrides.items():
         cfg.trainer[key] = value
     recorder = ReadRecorder(cfg)
-    inputs = StageInputs(teacher=teacher, drafter=train / "export" if catalogue.on_frozen_drafter(name) else None)
-    comp = catalogue.module(name).COMPONENT(recorder, inputs, torch.device("cpu"))
+    frozen = catalogue.component(name).on_frozen_drafter
+    inputs = StageInputs(teacher=teacher, drafter=train / "export" if frozen else None)
+    comp = TRAINING[name](recorder, inputs, torch.device("cpu"))
     batch = comp.batch(comp.step_items(0), 0)
     comp.normaliser(batch)
     loss, stats = comp.loss(comp.model, batch)
@@ -271,4 +274,4 @@ def test_sections_cover_the_config_a_component_reads(varying, tmp_path, name, ov
     comp.export(comp.model, tmp_path / "export")
     allowed = set(stage_sections(cfg, train_stage(name))) | READ_WITHOUT_EFFECT
     assert recorder.read <= allowed, (f"{name} reads {sorted(recorder.read - allowed)}, which its stage hash "
-                                      f"omits: add them to its SECTIONS (train/{name}.py)")
+                                      f"omits: add them to its sections (conf/catalogue.py)")

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig, default_target_layer_ids, packed_attention_mask
+from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig, packed_attention_mask
+from dflash_pipeline.models.target import default_layer_ids
 
 H, V, B, N_TAPS = 32, 99, 4, 2
 
@@ -90,9 +91,9 @@ def test_packed_attention_mask_padding():
     assert torch.equal(mask, expected)
 
 
-def test_default_target_layer_ids():
-    assert default_target_layer_ids(30, 1) == [15]
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+def test_default_layer_ids():
+    assert default_layer_ids(30, 1) == [15]
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
 
 
 def test_config_round_trip_ignores_extra_keys():

@@ -180,7 +180,7 @@ def test_artifacts_follow_the_umask(tmp_path):
 
 
 def _wandb_mode(env: dict, requested: str | None = None) -> str:
-    code = ("from dflash_pipeline.conf.logger import wandb_mode; "
+    code = ("from dflash_pipeline.runtime.logger import wandb_mode; "
             f"print('MODE', wandb_mode({requested!r}))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

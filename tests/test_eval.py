@@ -10,15 +10,16 @@ import torch
 from transformers import DynamicCache
 
 from dflash_pipeline.conf.schema import ConfigError
-from dflash_pipeline.conf.stages import config_hash
+from dflash_pipeline.runtime.stages import config_hash
 from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.models.cache import crop as crop_cache
 from dflash_pipeline.eval.metrics import accepted_length_stats, bootstrap_tau, conditional_acceptance, offline_metrics, \
     recall_at_k, simulated_tau
 from dflash_pipeline.eval.exactness import ExactnessError
-from dflash_pipeline.eval.stage import EvalError, decode_context, run_eval, \
-    run_online
+from dflash_pipeline.eval.costs import decode_context
+from dflash_pipeline.eval.online import run_online
+from dflash_pipeline.eval.stage import EvalError, run_eval
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import generate
 from tests.conftest import Oracle, chi_square_p, make_config, sampling_case

@@ -11,7 +11,7 @@ from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import autoregressive
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, WRONG, ExactnessError, ExactnessJudge, \
     Verdict, first_mismatch, rounds_before
-from dflash_pipeline.eval.stage import baseline_models, run_online
+from dflash_pipeline.eval.online import baseline_models, run_online
 from dflash_pipeline.models.precision import machine, resolve_dtype
 from dflash_pipeline.models.target import load_target
 
@@ -167,7 +167,7 @@ def test_tiny_pipeline_in_bf16_reports_numerics_and_near_ties(tmp_path):
     speedup also against the fastest plain decoding of either dtype."""
     import json
 
-    from dflash_pipeline.conf.entrypoints import run_stages
+    from dflash_pipeline.cli.entrypoints import run_stages
 
     cfg = make_config("target.dtype=bfloat16", "pipeline.components=[]", "eval.methods=[chain,ddtree]",
                       "eval.tree_budgets=[4]", "eval.datasets=[mtbench]", "eval.turns=1")

@@ -17,7 +17,7 @@ from dflash_pipeline.models.jump import JumpHeads, default_offsets, fill_gaps, g
 from dflash_pipeline.models.jump_head import SeparateJumpHead, choose_head_anchors, head_logits, head_path, \
     jump_head_loss
 from dflash_pipeline.models.selector import PairSelector
-from dflash_pipeline.train.jump_head import jump_head_method, load_jump_head
+from dflash_pipeline.eval.components import jump_head_method, load_jump_head
 
 from test_jump import randomise, table_transition
 
@@ -283,7 +283,7 @@ def tiny_component(tiny_teacher, tmp_path_factory):
 
 
 def test_component_export_round_trip_gives_identical_drafts(tiny_component, tmp_path):
-    from dflash_pipeline.eval.stage import make_method
+    from dflash_pipeline.eval.methods import make_method
 
     comp = tiny_component
     batch = comp.batch(comp.step_items(0), 0)

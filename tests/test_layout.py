@@ -1,13 +1,22 @@
 """The package's layering, read from its import statements (those inside functions included): no two modules import
-each other, directly or in a circle, and eval/ imports nothing from train/ (it reaches the components through the
-catalogue, which loads them by name)."""
+each other, directly or in a circle; the packages import downwards in LAYERS but for the arrows named in UPWARD; and
+eval/ imports nothing from train/ (its decoding methods are eval/methods.py's, nothing registers itself)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-PACKAGES = ("conf", "data", "models", "train", "eval")
+PACKAGES = ("conf", "runtime", "data", "models", "train", "eval", "cli")
+# Each package may import those before it: configuration; running a stage (folders, hashes, progress, logging); the
+# models; the data and teacher stage; evaluation; training (which reports eval's metrics while it trains); the
+# command line (a package's __main__ is a command too).
+LAYERS = ("conf", "runtime", "models", "data", "eval", "train", "cli")
+# The arrows that still run up, each for its reason.
+UPWARD = {
+    ("runtime", "eval"): "the eval stage's config hash covers the components its methods use (eval/methods.py)",
+    ("models", "data"): "atomic file writes (data/files.py) when a model saves itself",
+}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -77,3 +86,23 @@ def test_eval_imports_nothing_from_train():
 
 def test_the_method_protocol_imports_nothing_above_models_and_data():
     assert all(t.split(".")[0] in ("models", "data") for t in import_graph()["eval.protocol"])
+
+
+def layer(module: str) -> str:
+    return "cli" if module.endswith("__main__") else module.split(".")[0]
+
+
+def test_packages_import_downwards_but_for_the_named_arrows():
+    graph = import_graph()
+    up = {}
+    for module, targets in graph.items():
+        for t in targets:
+            if LAYERS.index(layer(t)) > LAYERS.index(layer(module)):
+                up.setdefault((layer(module), layer(t)), []).append(f"{module} -> {t}")
+    assert set(up) <= set(UPWARD), {k: v for k, v in up.items() if k not in UPWARD}
+
+
+def test_conf_holds_configuration_only():
+    """conf/ is the schema, the YAML and the catalogue of config groups: it imports no stage, model or runtime code."""
+    graph = import_graph()
+    assert {t for m, targets in graph.items() if m.startswith("conf") for t in targets if layer(t) != "conf"} == set()

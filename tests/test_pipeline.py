@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dflash_pipeline.conf.entrypoints import run_stages
-from dflash_pipeline.conf.stages import config_hash
+from dflash_pipeline.cli.entrypoints import run_stages
+from dflash_pipeline.runtime.stages import config_hash
 from dflash_pipeline.eval.stage import EvalError, run_eval
-from dflash_pipeline.conf import catalogue
+from dflash_pipeline.eval.methods import METHODS, evaluated_names
 
 from conftest import make_config
 
@@ -77,7 +77,7 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path, caplog
         assert (out[stage] / "export" / "config.json").is_file()
     results = json.loads((out["eval"] / "eval_results.json").read_text())
     # every method of the catalogue (tests/test_components.py: tiny lists them all), trees once per budget
-    assert set(results["methods"]) == set(catalogue.evaluated_names(catalogue.methods(), [4, 8]))
+    assert set(results["methods"]) == set(evaluated_names(METHODS, [4, 8]))
     assert {"boltzmann", "act", "adaptive", "bmobs"} <= set(results["policies"]) and results["costs"]["verify_cost"]
     assert set(results["costs"]["tree_cost"]) == {"4", "8"}
     # each set's speed is predicted from a curve measured at its own decode context, in autoregressive steps

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from dflash_pipeline.conf import progress as progress_mod
-from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.runtime import progress as progress_mod
+from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.models.generation import generate
 from dflash_pipeline.models.target import load_target
 

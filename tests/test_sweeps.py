@@ -111,7 +111,7 @@ def test_compare_reads_the_same_rows_from_wandb_runs(killed_and_rerun_sweep):
     from omegaconf import OmegaConf
 
     from dflash_pipeline.eval import report
-    from dflash_pipeline.conf.logger import flatten
+    from dflash_pipeline.runtime.logger import flatten
 
     sweep_dir, _, _ = killed_and_rerun_sweep
 

@@ -280,7 +280,7 @@ def test_wrong_config_key_fails_at_compose():
 def test_cli_wrong_key_is_one_clear_line_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-c", "from dflash_pipeline.conf.entrypoints import teacher; teacher()", "experiment=tiny",
+        [sys.executable, "-c", "from dflash_pipeline.cli.entrypoints import teacher; teacher()", "experiment=tiny",
          "teacher.max_new_tokenz=3", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
@@ -512,7 +512,7 @@ def test_fp8_features_take_half_the_disk_and_read_back_as_the_bf16_ones(tiny_tea
         assert y["features"].dtype == torch.bfloat16 and "feature_scales" not in y
         err = (y["features"].float() - x["features"].float()).norm(dim=-1) / x["features"].float().norm(dim=-1)
         assert float(err.max()) < 0.05
-    from dflash_pipeline.conf.entrypoints import run_stages
+    from dflash_pipeline.cli.entrypoints import run_stages
 
     done = run_stages(make_config(f"trainer.data_dir={out}", "trainer.steps=2", "logger=none"), tmp_path / "run",
                       ["train"])
@@ -523,7 +523,7 @@ def test_tokens_only_teacher_trains_exactly_as_online_training_on_stored_feature
     """teacher.feature_dtype=none: the same samples with no features on disk (a fraction of the bytes); training on
     it captures them from the target in the loop, the same weights as trainer.online=true on the stored dataset; a
     component on a frozen drafter and the eval's held-out set read it through the target too."""
-    from dflash_pipeline.conf.entrypoints import run_stages
+    from dflash_pipeline.cli.entrypoints import run_stages
 
     out = run_teacher(make_config("teacher.feature_dtype=none"), tmp_path / "tokens")
     tokens, full = TeacherDataset(out), TeacherDataset(tiny_teacher)

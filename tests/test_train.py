@@ -268,11 +268,11 @@ def test_dflash2_joint_training_trains_the_selector_with_the_drafter(tiny_teache
     exports the drafter and, where the eval stage's selector methods look, the DFlash2 checkpoint carrying that very
     drafter; the selector's settings enter the drafter stage's hash, and a frozen-drafter selector stage on top is
     refused with the fix."""
-    from dflash_pipeline.conf.entrypoints import run_stages
+    from dflash_pipeline.cli.entrypoints import run_stages
     from dflash_pipeline.conf.schema import ConfigError
-    from dflash_pipeline.conf.stages import stage_sections
-    from dflash_pipeline.eval.stage import drafter_difference
-    from dflash_pipeline.train.selector import load_selector
+    from dflash_pipeline.runtime.stages import stage_sections
+    from dflash_pipeline.eval.methods import drafter_difference
+    from dflash_pipeline.eval.components import load_selector
 
     cfg = make_config("trainer.steps=3", "trainer.selector_loss_weight=1.0", "trainer.draft_vocab_size=50",
                       "selector.top_k=48", "selector.rank=8")

@@ -351,7 +351,7 @@ def test_tree_methods_decode_exactly_in_the_speculative_loop(case):
     is the target's final hidden state of the row that chose its anchor."""
     from dflash_pipeline.eval.decode import speculative
     from dflash_pipeline.models.weaver import Weaver
-    from dflash_pipeline.train.weaver import WeaverTreeMethod
+    from dflash_pipeline.eval.components import WeaverTreeMethod
 
     target, prompt, layer_ids = case
     drafter = untrained_drafter(target, layer_ids)
@@ -377,7 +377,7 @@ def test_weaver_expansions_bound_the_weaver_calls_of_a_tree(case):
     """weaver.expansions=n grows the whole budget in at most n Weaver calls (the root's included), each expanding
     ceil(budget / n) frontier nodes: fewer calls, the same number of nodes."""
     from dflash_pipeline.models.weaver import Weaver
-    from dflash_pipeline.train.weaver import weaver_tree
+    from dflash_pipeline.eval.components import weaver_tree
 
     target, _, layer_ids = case
     drafter = untrained_drafter(target, layer_ids)

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from dflash_pipeline.eval.tree import build_tree, ddtree, walk
 from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
-from dflash_pipeline.train.weaver import root_breadth
+from dflash_pipeline.eval.components import root_breadth
 
 V, H, K, B = 997, 24, 16, 5  # a vocabulary size no other dimension shares
 

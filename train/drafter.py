@@ -17,14 +17,10 @@ from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch, step_seed
 from dflash_pipeline.data.teacher import teacher_and_target
-from dflash_pipeline.eval import policies
-from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
-from dflash_pipeline.eval.tree import DDTreeMethod
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target, config_value, final_norm, text_config
-from dflash_pipeline.conf.catalogue import EvalMethod
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import (block_loss, decay_weights, default_gamma, dpace_weights, effective_valid,
@@ -338,7 +334,7 @@ class DrafterComponent:
         items = self.items(indices if indices is not None else self.heldout_idx)
         methods = None
         if self.selector_weight > 0:
-            from dflash_pipeline.train.selector import SelectorMethod
+            from dflash_pipeline.eval.components import SelectorMethod
 
             methods = {"selector_greedy": SelectorMethod(drafter, model.selector, "greedy")}
         result = offline_metrics(drafter, items, self.block_size, list(HELDOUT_RECALL_K), methods=methods)
@@ -371,26 +367,3 @@ class DrafterComponent:
                                 "selector", {"joint": True, "selector_loss_weight": self.selector_weight,
                                              "steps": self.cfg.trainer.steps})
         return folder
-
-
-def sections(cfg) -> tuple[str, ...]:
-    """The drafter stage's own config sections; DFlash2 joint training (trainer.selector_loss_weight > 0) trains the
-    selector in this stage too, so its settings enter the stage hash."""
-    return ("drafter", "trainer") + (("selector",) if cfg.trainer.get("selector_loss_weight", 0) > 0 else ())
-
-
-# The catalogue entry (conf/catalogue.py): configured by the drafter and trainer sections, trained on the teacher
-# data, drafting with the chain method.
-CONFIG = None
-SECTIONS = sections
-INPUTS = ("teacher",)
-COMPONENT = DrafterComponent
-METHODS = {
-    "chain": EvalMethod(lambda m: ChainMethod(m.drafter)),
-    # decoding policies on the drafter alone (eval/policies.py)
-    "boltzmann": EvalMethod(lambda m: policies.BoltzmannMethod(m.drafter, m.policy)),
-    "act": EvalMethod(lambda m: policies.ActMethod(m.drafter, m.policy)),
-    "adaptive": EvalMethod(lambda m: policies.AdaptiveMethod(m.drafter, m.policy)),
-    # the training-free draft tree from the drafter's marginals (eval/tree.py), one per eval.tree_budgets entry
-    "ddtree": EvalMethod(lambda m: DDTreeMethod(m.drafter, m.budget), tree=True),
-}

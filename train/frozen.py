@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
 
-from dflash_pipeline.conf.catalogue import EvalMethod
-from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch
 from dflash_pipeline.data.teacher import teacher_and_target
-from dflash_pipeline.eval.protocol import ChainMethod, drafter_blocks
+from dflash_pipeline.eval.protocol import drafter_blocks
 from dflash_pipeline.eval.metrics import offline_metrics
-from dflash_pipeline.models.drafter import DFlashDrafter, identity_convolution
+from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.models.export import identity_convolution
 from dflash_pipeline.models.generation import CapturedFeatures
 from dflash_pipeline.models.selector import SELECTOR_PREFIX
 from dflash_pipeline.train.component import StageInputs, loop_settings
@@ -28,20 +25,6 @@ from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import decay_weights, default_gamma, dpace_weights
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FrozenComponentConfig:
-    """What every component on a frozen drafter can set: where the drafter comes from, and loop settings (None:
-    the trainer.* value)."""
-
-    drafter_dir: Optional[str] = None  # the frozen drafter's export; None: this run's drafter stage
-    steps: Optional[int] = ranged(200, ge=1)
-    lr: Optional[float] = ranged(1e-3, gt=0.0)
-    warmup_steps: Optional[int] = ranged(None, ge=0)
-    batch_sequences: Optional[int] = ranged(None, ge=1)
-    anchors_per_sequence: Optional[int] = ranged(None, ge=1)
-    eval_every: Optional[int] = ranged(None, ge=1)
 
 
 class FrozenDrafterComponent:
@@ -192,71 +175,3 @@ def scored_rates(stats: list[dict], coverage: str, **rates: str) -> dict[str, fl
     return {coverage: total["scored"] / max(1.0, total["scored"] + total["skipped"]),
             **{name: total[key] / scored for name, key in rates.items()}}
 
-
-def offset_head_methods(name: str, load: Callable, load_selector: Callable) -> dict[str, EvalMethod]:
-    """The catalogue entries of an offset-head component: `name` from its export, and `<name>_selector` with the
-    trained selector filling the gaps. load(folder, drafter, selector=None) -> OffsetHeadMethod."""
-    return {
-        name: EvalMethod(lambda m: load(m.exports[name], m.drafter)),
-        f"{name}_selector": EvalMethod(lambda m: load(
-            m.exports[name], m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device)),
-            also_needs=("selector",)),
-    }
-
-
-def load_trained(folder: Path, prefix: str, build: Callable[[dict, dict], torch.nn.Module], device,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict]:
-    """(the trained module, dflash_config) of a component's export: build(config.json, its dflash_config) makes the
-    module, which loads the tensors under `prefix` strictly (safetensors only) and moves to device/dtype, eval mode."""
-    config, tensors = read_export(folder, prefix)
-    module = build(config, config["dflash_config"])
-    module.load_state_dict(tensors, strict=True)
-    return module.to(device=device, dtype=dtype).eval(), config["dflash_config"]
-
-
-def read_export(folder: Path, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, the tensors under `prefix` with it stripped) of a component's export (safetensors only)."""
-    from safetensors.torch import load_file
-
-    config = json.loads((Path(folder) / "config.json").read_text())
-    tensors = {k[len(prefix):]: v for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
-               if k.startswith(prefix)}
-    return config, tensors
-
-
-# guide(cand_ids, cand_logits, hidden, anchors, transition) -> (drafts (N, P), candidate scorings per block (N,)),
-# given the selector's transition (None: the gaps take the argmax)
-Guide = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-class OffsetHeadMethod(ChainMethod):
-    """Drafts guided by heads at sparse block offsets (the jump heads, the separate jump head: `module`, with its
-    `guide`): offsets whose head is confident are fixed at its choice, the gaps take the drafter's argmax or, with a
-    selector, its best path from both neighbours. Greedy only, at the heads' block size only."""
-
-    greedy_only = True
-
-    def __init__(self, drafter, name: str, module: torch.nn.Module, top_k: int, guide: Guide, selector=None,
-                 **settings):
-        super().__init__(drafter)
-        self.module, self.guide, self.settings = module, guide, settings  # settings: what `guide` was built with
-        self.head_block_size, self.top_k, self.selector = module.block_size, top_k, selector
-        self.name = name if selector is None else f"{name}_selector"
-        if selector is not None and selector.top_k != top_k:
-            raise ValueError(f"{self.name} needs the same candidates: selector.top_k={selector.top_k}, "
-                             f"{name}.top_k={top_k}")
-
-    def check(self, block_size: int, temperature: float) -> None:
-        if block_size != self.head_block_size:
-            raise ValueError(f"{self.name} was trained for block {self.head_block_size}; evaluate it at "
-                             f"eval.block_size={self.head_block_size}")
-        super().check(block_size, temperature)
-
-    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
-        self.check(hidden.shape[1], 0.0)
-        transition = None if self.selector is None else self.selector.transition
-        ids, work = self.guide(cand_ids, cand_logits, hidden.float(), anchors, transition)
-        return ids, float(work.float().mean())
-
-    def sample_path(self, logits, hidden, anchor, temperature, generator):
-        self.check(hidden.shape[1], temperature)

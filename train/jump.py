@@ -10,32 +10,16 @@ neighbours).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.models.jump import JumpHeads, default_offsets, guided_path, jump_loss
-from dflash_pipeline.models.selector import PairSelector
+from dflash_pipeline.eval.components import jump_method
+from dflash_pipeline.models.jump import JUMP_PREFIX, JumpHeads, default_offsets, jump_loss
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
-    load_trained, offset_head_methods, scored_rates
-from dflash_pipeline.train.selector import load_selector
+from dflash_pipeline.train.frozen import FrozenDrafterComponent, scored_rates
 
-PREFIX = "jump_heads."
-
-
-@dataclass
-class JumpConfig(FrozenComponentConfig):
-    """conf/jump/: the jump heads."""
-
-    top_k: int = ranged(16, ge=2)  # candidates re-ranked at each offset
-    rank: int = ranged(64, ge=1)
-    every: int = ranged(4, ge=1)  # offsets at block positions every, 2*every, ... (the anchor is position 0)
-    margin: float = 0.0  # fix an offset when its top-1 minus top-2 jump score is at least this
-    weight: float = ranged(1.0, ge=0.0)  # w in U + w * (residual - max residual)
-    kl_weight: float = ranged(0.0, ge=0.0, le=1.0)  # mix of KL to the target's stored top-k (needs topk_logprobs)
+PREFIX = JUMP_PREFIX
 
 
 class JumpComponent(FrozenDrafterComponent):
@@ -84,30 +68,3 @@ class JumpComponent(FrozenDrafterComponent):
             {"jump_offsets": self.offsets, "jump_rank": o.rank, "jump_top_k": o.top_k, "jump_margin": o.margin,
              "jump_weight": o.weight},
             {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
-
-
-def jump_method(drafter, heads: JumpHeads, margin: float, weight: float, top_k: int = 16,
-                selector: PairSelector | None = None) -> OffsetHeadMethod:
-    """Drafts guided by the jump heads (models/jump.py guided_path: the heads' residual on the candidates, weight
-    `weight`, fixed where the top-1/top-2 margin passes `margin`)."""
-    def guide(ids, logits, hidden, anchors, transition):
-        return guided_path(ids, logits, hidden, anchors, heads, margin, weight, transition)
-
-    return OffsetHeadMethod(drafter, "jump", heads, top_k, guide, selector, margin=margin, weight=weight)
-
-
-def load_jump(folder: Path, drafter, selector: PairSelector | None = None) -> OffsetHeadMethod:
-    """The jump method of an export written by JumpComponent.export; with a selector, the gaps between fixed tokens
-    are its best path from both neighbours."""
-    heads, dc = load_trained(folder, PREFIX, lambda c, dc: JumpHeads(c["vocab_size"], c["hidden_size"],
-                                                                     c["block_size"], dc["jump_offsets"],
-                                                                     dc["jump_rank"]), drafter.norm.weight.device)
-    return jump_method(drafter, heads, dc["jump_margin"], dc["jump_weight"], dc["jump_top_k"], selector)
-
-
-# The catalogue entry (conf/catalogue.py).
-CONFIG = JumpConfig
-SECTIONS = ("jump",)
-INPUTS = ("teacher", "drafter")
-COMPONENT = JumpComponent
-METHODS = offset_head_methods("jump", load_jump, load_selector)  # jump, jump_selector (gaps: the selector's walk)

@@ -11,33 +11,17 @@ selector's best path between their fixed neighbours).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.models.jump import default_offsets
-from dflash_pipeline.models.jump_head import SeparateJumpHead, head_path, jump_head_loss
-from dflash_pipeline.models.selector import PairSelector
+from dflash_pipeline.eval.components import jump_head_method
+from dflash_pipeline.models.jump_head import JUMP_HEAD_PREFIX, SeparateJumpHead, jump_head_loss
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, OffsetHeadMethod, \
-    load_trained, offset_head_methods, scored_rates
-from dflash_pipeline.train.selector import load_selector
+from dflash_pipeline.train.frozen import FrozenDrafterComponent, scored_rates
 
-PREFIX = "jump_head."
-
-
-@dataclass
-class JumpHeadConfig(FrozenComponentConfig):
-    """conf/jump_head/: the separate jump head."""
-
-    every: int = ranged(4, ge=1)  # offsets at block positions every, 2*every, ... (the anchor is position 0)
-    margin: float = 0.0  # fix an offset when the head's top-1 minus top-2 logit is at least this
-    num_heads: int = ranged(4, ge=1)  # attention heads of the head's layer (must divide the drafter's hidden size)
-    intermediate_size: Optional[int] = ranged(None, ge=1)  # its SwiGLU width; None: 2 x the drafter's hidden size
-    top_k: int = ranged(16, ge=2)  # the drafter's candidates per position, for the gap fill and the selector
+PREFIX = JUMP_HEAD_PREFIX
 
 
 class JumpHeadComponent(FrozenDrafterComponent):
@@ -83,30 +67,3 @@ class JumpHeadComponent(FrozenDrafterComponent):
              "jump_head_num_heads": head.num_heads, "jump_head_intermediate_size": head.intermediate_size,
              "jump_head_top_k": self.own.top_k},
             {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps})
-
-
-def jump_head_method(drafter, head: SeparateJumpHead, margin: float, top_k: int = 16,
-                     selector: PairSelector | None = None) -> OffsetHeadMethod:
-    """Drafts guided by the separate head (models/jump_head.py head_path: fixed at its argmax where its margin
-    passes `margin`), the gaps filled as for `jump`."""
-    def guide(ids, logits, hidden, anchors, transition):
-        return head_path(ids, logits, hidden, anchors, head, drafter, margin, transition)
-
-    return OffsetHeadMethod(drafter, "jump_head", head, top_k, guide, selector, margin=margin)
-
-
-def load_jump_head(folder: Path, drafter, selector: PairSelector | None = None) -> OffsetHeadMethod:
-    """The jump_head method of an export written by JumpHeadComponent.export; with a selector, the gaps between
-    fixed tokens are its best path from both neighbours."""
-    head, dc = load_trained(folder, PREFIX, lambda c, dc: SeparateJumpHead(
-        c["hidden_size"], c["block_size"], dc["jump_head_offsets"], dc["jump_head_num_heads"],
-        dc["jump_head_intermediate_size"], c["rms_norm_eps"]), drafter.norm.weight.device)
-    return jump_head_method(drafter, head, dc["jump_head_margin"], dc["jump_head_top_k"], selector)
-
-
-# The catalogue entry (conf/catalogue.py).
-CONFIG = JumpHeadConfig
-SECTIONS = ("jump_head",)
-INPUTS = ("teacher", "drafter")
-COMPONENT = JumpHeadComponent
-METHODS = offset_head_methods("jump_head", load_jump_head, load_selector)  # jump_head, jump_head_selector

@@ -1,6 +1,7 @@
-"""The one training loop. A component of conf/catalogue.py brings its model, its batches, its loss and its metrics
-(the `train.component.TrainingComponent` protocol); the loop owns accelerate, the optimizer and schedule,
-checkpoints, resume, logging, progress and the export call, and reads nothing of a component's batches or metrics.
+"""The one training loop. A component (COMPONENTS below; its configuration in conf/catalogue.py) brings its model,
+its batches, its loss and its metrics (the `train.component.TrainingComponent` protocol); the loop owns accelerate,
+the optimizer and schedule, checkpoints, resume, logging, progress and the export call, and reads nothing of a
+component's batches or metrics.
 
 Determinism: the sequences and anchors of step s are a function of (seed, s) and of nothing else, and each
 process takes its slice of the same global batch; the loss is normalised by the global normaliser. So a resumed
@@ -20,17 +21,26 @@ import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig
 
-from dflash_pipeline.conf.progress import Progress
+from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.conf.stages import config_hash, recorded_hash, train_stage
+from dflash_pipeline.runtime.stages import config_hash, recorded_hash, train_stage
 from dflash_pipeline.data.files import follow_umask
 from dflash_pipeline.conf import catalogue
 from dflash_pipeline.train.component import StageInputs, TrainingComponent
+from dflash_pipeline.train.drafter import DrafterComponent
+from dflash_pipeline.train.jump import JumpComponent
+from dflash_pipeline.train.jump_head import JumpHeadComponent
+from dflash_pipeline.train.selector import SelectorComponent
+from dflash_pipeline.train.weaver import WeaverComponent
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.parallel import Accelerated, Sharded, fsdp_requested
-from dflash_pipeline.conf.logger import RunLogger
+from dflash_pipeline.runtime.logger import RunLogger
 
 log = logging.getLogger(__name__)
+
+# The training code of every component of conf/catalogue.py (tests/test_components.py checks both name the same).
+COMPONENTS: dict[str, type] = {"drafter": DrafterComponent, "selector": SelectorComponent, "jump": JumpComponent,
+                               "jump_head": JumpHeadComponent, "weaver": WeaverComponent}
 
 
 def lr_lambda(step: int, warmup: int, total: int) -> float:
@@ -52,7 +62,7 @@ def loop_settings_of(cfg: DictConfig, name: str) -> DictConfig:
     """The loop settings of a component: trainer.*, overridden by its own section's values of the same name."""
     from dflash_pipeline.train.component import loop_settings
 
-    return loop_settings(cfg, cfg.get(name) if catalogue.module(name).CONFIG is not None else None)
+    return loop_settings(cfg, cfg.get(name) if catalogue.component(name).config is not None else None)
 
 
 def _run_dir(out: Path, name: str) -> Path:
@@ -96,10 +106,10 @@ def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, dra
                ) -> Stage | None:
     """The stage to run in `out`, or None when it is already complete for this config; refuses a folder that holds
     a finished run of another config (a component on a frozen drafter is cheap and simply trained again)."""
-    mod = catalogue.module(name)
-    own = cfg.get(name) if mod.CONFIG is not None else None
+    entry = catalogue.component(name)
+    own = cfg.get(name) if entry.config is not None else None
     inputs = StageInputs(teacher=Path(data_dir or cfg.trainer.data_dir or _run_dir(out, name) / cfg.teacher.out_dir))
-    if "drafter" in mod.INPUTS:
+    if entry.on_frozen_drafter:
         inputs.drafter = Path(own.get("drafter_dir") or drafter_dir or out.parent / "export")
         if not (inputs.drafter / "config.json").is_file():
             raise TrainError(f"{name} trains on a frozen drafter, and there is no exported drafter at "
@@ -110,7 +120,7 @@ def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, dra
     if finished == digest and not t.resume:
         log.info("%s: training already complete at %s (config %s): skipping", name, out, digest)
         return None
-    derived = "drafter" in mod.INPUTS  # cheap, and a function of the drafter: retrained when its config changes
+    derived = entry.on_frozen_drafter  # cheap, and a function of the drafter: retrained when its config changes
     if finished is not None and finished != digest and not t.resume and derived:
         log.warning("%s holds a finished %s of another config; training it again for config %s", out, name, digest)
         (out / "done.json").unlink(missing_ok=True)
@@ -176,14 +186,15 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     t = stage.settings
     accelerator = make_accelerator(stage)
     torch.manual_seed(cfg.seed)
-    comp: TrainingComponent = catalogue.module(name).COMPONENT(cfg, stage.inputs, accelerator.device)
+    comp: TrainingComponent = COMPONENTS[name](cfg, stage.inputs, accelerator.device)
 
     def make_optimizer(params):
         optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps))
 
     if fsdp_requested(accelerator):  # the drafter sharded; a component on a frozen drafter replicated
-        parallel = Sharded(comp.model, make_optimizer, accelerator, sharded=not catalogue.on_frozen_drafter(name))
+        sharded = not catalogue.component(name).on_frozen_drafter
+        parallel = Sharded(comp.model, make_optimizer, accelerator, sharded=sharded)
     else:
         parallel = Accelerated(comp.model, make_optimizer, accelerator)
     start = resume(accelerator, stage, parallel)

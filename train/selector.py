@@ -11,26 +11,14 @@ selector_viterbi, the exact best path, is greedy only (its sampled form would be
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dflash_pipeline.conf.schema import ranged
-from dflash_pipeline.eval.protocol import ChainMethod
-from dflash_pipeline.eval.policies import MiddleOutMethod
+from dflash_pipeline.eval.components import SelectorMethod
 from dflash_pipeline.models.selector import SELECTOR_PREFIX as PREFIX
-from dflash_pipeline.models.selector import PairSelector, scorings_per_round, selector_loss
-from dflash_pipeline.conf.catalogue import EvalMethod
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained, scored_rates
-
-
-@dataclass
-class SelectorConfig(FrozenComponentConfig):
-    """conf/selector/: the pair-codebook selector."""
-
-    top_k: int = ranged(16, ge=2)  # candidates per position
-    rank: int = ranged(256, ge=1)  # codebook rank r
+from dflash_pipeline.models.selector import PairSelector, selector_loss
+from dflash_pipeline.train.frozen import FrozenDrafterComponent, scored_rates
 
 
 class SelectorComponent(FrozenDrafterComponent):
@@ -70,56 +58,3 @@ class SelectorComponent(FrozenDrafterComponent):
 def selector_rates(stats: list[dict]) -> dict[str, float]:
     """The selector's train metrics from selector_loss stats, on a frozen drafter or trained jointly with it."""
     return scored_rates(stats, "candidate_recall", selector_acc="selector_correct", marginal_acc="marginal_correct")
-
-
-def load_selector(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> PairSelector:
-    """The selector of an export written by SelectorComponent.export (safetensors + config.json only)."""
-    return load_trained(folder, PREFIX, lambda c, dc: PairSelector(c["vocab_size"], c["hidden_size"],
-                                                                  dc["selector_rank"], dc["selector_top_k"]),
-                        device, dtype)[0]
-
-
-class SelectorMethod(ChainMethod):
-    """Drafts chosen by the selector among the drafter's top-K: `how` = greedy (walk) or viterbi."""
-
-    def __init__(self, drafter, selector: PairSelector, how: str):
-        super().__init__(drafter)
-        self.selector, self.how = selector, how
-        self.name, self.top_k = f"selector_{how}", selector.top_k
-        self.greedy_only = how == "viterbi"  # sampling runs the walk: refused rather than silently swapped
-
-    def path(self, cand_ids, cand_logits, hidden, anchors, context=None):
-        walk = self.selector.greedy_walk if self.how == "greedy" else self.selector.viterbi
-        tokens = walk(cand_ids, cand_logits, hidden[:, 1:].float(), anchors)
-        return tokens, scorings_per_round(self.how, cand_ids.shape[1], cand_ids.shape[-1])
-
-    def sample_path(self, logits, hidden, anchor, temperature, generator):
-        U, idx = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        cand = self.drafter.to_target_ids(idx)[None]
-        anchors = torch.tensor([anchor], device=logits.device)
-        ids, q = self.selector.sample_walk(cand, U[None], hidden[:, 1:].float(), anchors, temperature, generator)
-        return ids[0], q[0]
-
-
-def _method(how: str) -> EvalMethod:
-    return EvalMethod(lambda m: SelectorMethod(
-        m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device), how))
-
-
-def _middle_out(boltzmann: bool) -> EvalMethod:
-    return EvalMethod(lambda m: MiddleOutMethod(
-        m.drafter, load_selector(m.exports["selector"], m.drafter.norm.weight.device), m.policy, boltzmann))
-
-
-# The catalogue entry (conf/catalogue.py).
-CONFIG = SelectorConfig
-SECTIONS = ("selector",)
-INPUTS = ("teacher", "drafter")
-COMPONENT = SelectorComponent
-METHODS = {
-    "selector_greedy": _method("greedy"),
-    "selector_viterbi": _method("viterbi"),
-    # middle-out selection (eval/policies.py): from the centre outwards; bmobs picks the centre by Boltzmann
-    "mobs": _middle_out(boltzmann=False),
-    "bmobs": _middle_out(boltzmann=True),
-}

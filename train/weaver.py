@@ -15,48 +15,21 @@ shape under `weaver` in `dflash_config`. Eval method: weaver_tree, one per node 
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from dflash_pipeline.conf.schema import ranged
 from dflash_pipeline.data.splits import anchor_generators
 from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
-from dflash_pipeline.eval.tree import DDTreeMethod, TreeMethod, build_tree, tree_offline_metrics
+from dflash_pipeline.eval.components import WeaverTreeMethod
+from dflash_pipeline.eval.tree import DDTreeMethod, tree_offline_metrics
 from dflash_pipeline.models.generation import capture
-from dflash_pipeline.models.weaver import Weaver, WeaverRound, weaver_loss
-from dflash_pipeline.conf.catalogue import EvalMethod
+from dflash_pipeline.models.weaver import WEAVER_PREFIX, Weaver, weaver_loss
 from dflash_pipeline.train.errors import TrainError
-from dflash_pipeline.train.frozen import FrozenComponentConfig, FrozenDrafterComponent, load_trained, summed
+from dflash_pipeline.train.frozen import FrozenDrafterComponent, summed
 
-PREFIX = "weaver."
+PREFIX = WEAVER_PREFIX
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WeaverConfig(FrozenComponentConfig):
-    """conf/weaver/: the Weaver adapter and its trees."""
-
-    top_k: int = ranged(512, ge=2)  # the candidate pool per depth: the drafter's top-K there
-    rank: int = ranged(256, ge=2)  # the adapter's width
-    num_layers: int = ranged(2, ge=1)
-    num_heads: int = ranged(4, ge=1)
-    mlp_dim: int = ranged(512, ge=1)
-    # The decode settings (the trees' shape): not part of the training stage's hash, so changing them re-runs only
-    # the eval (DECODE_ONLY below). The root's depth-1 candidates: None widens it with the node budget (root_breadth).
-    children: int = ranged(8, ge=1)  # children an expanded node publishes to the frontier
-    root_children: Optional[int] = ranged(None, ge=1)
-    # Weaver calls a tree is built in: each expands ceil(budget / expansions) frontier nodes at once. 4 calls built
-    # the 1.6 CPU-hour drafter's trees 2-3.7x faster than 16 at 16-128 nodes, with tau within 0.013
-    # (docs/results/best-cpu-recipe.md); fewer calls expand nodes before better ones on the frontier are known.
-    expansions: int = ranged(4, ge=1)
-    kl_weight: float = ranged(0.0, ge=0.0)  # x KL(target restricted to the pool || Weaver) (needs topk_logprobs)
-    tv_weight: float = ranged(0.0, ge=0.0)  # x total variation against the same
-    eval_budget: int = ranged(32, ge=1)  # node budget of the held-out tree acceptance reported while training
-    eval_blocks: int = ranged(128, ge=1)  # held-out blocks it grows trees for (the first ones)
 
 
 class WeaverComponent(FrozenDrafterComponent):
@@ -162,66 +135,3 @@ class WeaverComponent(FrozenDrafterComponent):
         return self.export_with_drafter(folder, tensors, {"weaver": weaver.config_dict()},
                                         {"drafter_dir": str(self.drafter_dir), "steps": self.settings.steps,
                                          "parameters": weaver.num_parameters()})
-
-
-def load_weaver(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> Weaver:
-    """The Weaver of an export written by WeaverComponent.export (safetensors + config.json only)."""
-    return load_trained(folder, PREFIX, lambda c, dc: Weaver(**dc["weaver"]), device, dtype)[0]
-
-
-@torch.no_grad()
-def weaver_tree(weaver: Weaver, drafter, verifier_hidden: torch.Tensor, hidden: torch.Tensor, anchor: int,
-                budget: int, children: int = 8, calls: list | None = None, root_children: int | None = None,
-                expansions: int = 4):
-    """The Weaver tree of one block: hidden (B, H) the drafter's block states (anchor first). `calls`, when given,
-    receives the number of nodes of each Weaver call."""
-    logits = drafter.logits(hidden[1:]).float()
-    top = logits.topk(min(weaver.top_k, logits.shape[-1]), -1)
-    rnd = WeaverRound(weaver, verifier_hidden.to(hidden.dtype), hidden[1:], drafter.to_target_ids(top.indices),
-                      top.values, drafter.lm_head.weight, drafter.embed_tokens, anchor)
-    root = root_breadth(budget, children, root_children)
-    k = max(children, root)
-    tree, sizes = build_tree(lambda nodes, grown: rnd.expand(nodes, *grown.fields(nodes, anchor), k), budget,
-                             hidden.shape[0] - 1, children, math.ceil(budget / expansions), root)
-    if calls is not None:
-        calls.extend(sizes)
-    return tree
-
-
-def root_breadth(budget: int, children: int, root_children: int | None = None) -> int:
-    """The depth-1 candidates the root publishes: `root_children` when set, else half the node budget, at least
-    `children` and at most 32. Measured on the 1.6 CPU-hour drafter (docs/results/trees.md): 8 at 16 nodes, 16 at
-    32, 32 at 64 and 128 put the Weaver tree ahead of DDTree at every budget on every set; a root of `children`
-    left it behind from 32 nodes on (a weak drafter's acceptance is decided at depth 1)."""
-    if root_children is not None:
-        return root_children
-    return min(32, max(children, budget // 2))
-
-
-class WeaverTreeMethod(TreeMethod):
-    """Trees grown by the Weaver from the drafter's pools (docs/methods.md, 'Draft trees')."""
-
-    def __init__(self, drafter, weaver: Weaver, budget: int, children: int = 8, root_children: int | None = None,
-                 expansions: int = 4):
-        super().__init__(drafter, budget)
-        self.weaver, self.children, self.root_children, self.expansions = weaver, children, root_children, expansions
-        self.name = f"weaver_tree_{budget}"
-
-    def tree(self, hidden, verifier_hidden, anchor):
-        return weaver_tree(self.weaver, self.drafter, verifier_hidden, hidden, anchor, self.budget, self.children,
-                           root_children=self.root_children, expansions=self.expansions)
-
-
-# The catalogue entry (conf/catalogue.py).
-CONFIG = WeaverConfig
-SECTIONS = ("weaver",)
-# The trees' shape at eval: the trained weights do not depend on them.
-DECODE_ONLY = ("children", "root_children", "expansions")
-INPUTS = ("teacher", "drafter")
-COMPONENT = WeaverComponent
-METHODS = {
-    "weaver_tree": EvalMethod(lambda m: WeaverTreeMethod(
-        m.drafter, load_weaver(m.exports["weaver"], m.drafter.norm.weight.device), m.budget, m.config.children,
-        m.config.root_children, m.config.expansions),
-        tree=True),
-}

@@ -48,7 +48,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from dflash_pipeline.data.shards import DatasetError
     from dflash_pipeline.data.sources import DataSourceError
     from dflash_pipeline.models.target import TargetError
-    from dflash_pipeline.eval.stage import EvalError
+    from dflash_pipeline.eval.errors import EvalError
     from dflash_pipeline.train.loop import TrainError
     from dflash_pipeline.models.vllm_engine import VLLMError
 
@@ -115,9 +115,9 @@ def _export_slurm_distributed_env() -> None:
 def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Path | None = None) -> dict[str, Path]:
     """Run the named stages in order; each skips itself when its output exists for the same config.
 
-    shared_dir: the experiment's run directory when this is a job of a sweep (see conf.stages.stage_dirs).
+    shared_dir: the experiment's run directory when this is a job of a sweep (see runtime.stages.stage_dirs).
     """
-    from dflash_pipeline.conf.stages import stage_dirs, train_stage
+    from dflash_pipeline.runtime.stages import stage_dirs, train_stage
     from dflash_pipeline.data.teacher import run_teacher
     from dflash_pipeline.eval.stage import run_eval
     from dflash_pipeline.train.loop import run_train
@@ -131,6 +131,10 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
 
         raise ConfigError("trainer.selector_loss_weight > 0 trains the selector with the drafter (DFlash2 joint); "
                           "drop selector from pipeline.components, or set the weight to 0 for a frozen-drafter one")
+    if "eval" in stages:  # refused before the teacher or training runs
+        from dflash_pipeline.eval.methods import check_names
+
+        check_names(cfg.eval.methods)
     dirs = stage_dirs(cfg, run_dir, shared_dir, tuple(dict.fromkeys(components)))
 
     def train(name: str) -> None:
@@ -201,7 +205,7 @@ def _command(name: str, stages: list[str], doc: str):
     """A console script: the Hydra app over conf/config.yaml that runs `stages`, known to Hydra (its --help, its job
     log file `<name>.log`) by the command's own name rather than this module's."""
 
-    @hydra.main(config_path=".", config_name="config", version_base=None)
+    @hydra.main(config_path="pkg://dflash_pipeline.conf", config_name="config", version_base=None)
     @_guard
     def app(cfg: DictConfig) -> float | None:
         return _run(cfg, stages)

@@ -27,25 +27,28 @@ def train_stage(component: str) -> str:
 
 def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
     """The config sections a stage's output depends on, by construction: its own sections plus those of every stage
-    it reads (a component declares both in its module, conf/catalogue.py), so a stage is never reused for a
-    config that differs anywhere upstream."""
+    it reads (conf/catalogue.py; the eval's: those of every component its methods use, eval/methods.py), so a stage
+    is never reused for a config that differs anywhere upstream."""
     from dflash_pipeline.conf import catalogue
 
     if stage == "teacher":
         return list(TEACHER_SECTIONS)
     if stage == "eval":
-        used = {c for m in cfg.eval.methods for c in catalogue.method_components(m)}
+        from dflash_pipeline.eval.methods import method
+
+        used = {c for m in cfg.eval.methods for c in method(m).components()}
         parts = [stage_sections(cfg, train_stage(c)) for c in sorted(used)] + [["eval"]]
     else:
         name = component_of(stage)
-        parts = [stage_sections(cfg, "teacher" if i == "teacher" else "train") for i in catalogue.module(name).INPUTS]
+        parts = [stage_sections(cfg, "teacher" if i == "teacher" else "train")
+                 for i in catalogue.component(name).inputs]
         parts.append(catalogue.sections(name, cfg))
     return list(dict.fromkeys(s for part in parts for s in part))
 
 
 def stage_config(cfg: DictConfig, stage: str) -> dict:
     """The resolved part of the config that determines the stage's output. A training stage leaves out its sections'
-    decode-only keys (conf/catalogue.py: DECODE_ONLY): they shape the eval's trees, not the weights."""
+    decode-only keys (conf/catalogue.py: decode_only): they shape the eval's trees, not the weights."""
     from dflash_pipeline.conf import catalogue
 
     full = OmegaConf.to_container(cfg, resolve=True)
