@@ -83,13 +83,13 @@ def test_reduced_precision_gate_compares_the_prompts_that_took_the_same_tokens()
             "counters": [{"drafts": 2, "accepted": 2, "accepted_per_pos": [1, 1, 0]},
                          {"drafts": 4, "accepted": 0, "accepted_per_pos": [0, 0, 0]}]}
     rounds = [[2, 0], [1, 1]]
-    args = (vllm, prompts, rounds, own_spec, ar, 3)
-    rest = (Judge(), 0.02, {}, {}, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
-    bf16 = served.compare(*args, "bfloat16", *rest)
+    own = served.OwnSet(prompts, ar, rounds, own_spec, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+    bf16 = served.compare(vllm, own, served.Gate(3, "bfloat16", 0.02, Judge(), {}, {}))
     assert bf16["gate"]["pass"] and bf16["gate"]["prompts_compared"] == 1 and bf16["same_path_prompts"] == [0]
     assert "1 of 2 prompts" in bf16["gate"]["line"] and len(bf16["near_ties"]) == 1
     assert bf16["counters_served"]["drafts"] == 6 and bf16["counters_own"]["drafts"] == 4  # the whole set, reported
-    assert not served.compare(*args, "float32", *rest)["gate"]["pass"]  # float32: every prompt, and no near-ties
+    float32 = served.compare(vllm, own, served.Gate(3, "float32", 0.02, Judge(), {}, {}))
+    assert not float32["gate"]["pass"]  # float32: every prompt, and no near-ties
 
 
 def test_a_target_the_engine_decodes_differently_is_named_as_the_cause():
@@ -107,8 +107,8 @@ def test_a_target_the_engine_decodes_differently_is_named_as_the_cause():
     ar = [[5, 6, 7, 8]]
     vllm = {"outputs_plain": [[9, 6, 7, 8]], "outputs_spec": [[9, 6, 7, 8]],
             "counters": [{"drafts": 3, "accepted": 1, "accepted_per_pos": [1, 0, 0]}]}
-    out = served.compare(vllm, prompts, [[0, 0, 0, 0]], ar, ar, 3, "float32", Judge(), 0.02, {}, {}, [0.0] * 3,
-                         [0.0] * 3)
+    out = served.compare(vllm, served.OwnSet(prompts, ar, [[0, 0, 0, 0]], ar, [0.0] * 3, [0.0] * 3),
+                         served.Gate(3, "float32", 0.02, Judge(), {}, {}))
     line = out["gate"]["line"]
     assert line.startswith("PARITY FAILED") and "engine's plain decoding" in line and "from output position 0" in line
     assert "likely contract key" not in line and out["gate"]["likely_keys"] == []
