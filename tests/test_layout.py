@@ -106,3 +106,15 @@ def test_conf_holds_configuration_only():
     """conf/ is the schema, the YAML and the catalogue of config groups: it imports no stage, model or runtime code."""
     graph = import_graph()
     assert {t for m, targets in graph.items() if m.startswith("conf") for t in targets if layer(t) != "conf"} == set()
+
+
+def test_the_eval_stage_loads_no_training_code_at_run_time():
+    """Not only the import lines: the eval stage and its method catalogue, read through, load nothing of train/."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dflash_pipeline.eval.stage as stage; from dflash_pipeline.eval import methods; "
+            "methods.evaluated_names(methods.METHODS, [4]); [m.components() for m in methods.METHODS.values()]; "
+            "print([m for m in sys.modules if m.startswith('dflash_pipeline.train')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
