@@ -1,16 +1,49 @@
-"""What the eval stage writes: eval_results.json, results.md (tables), acceptance.png (a_k offline vs online),
-and the wandb summary (scalars, a table, a line plot per method). Files are written atomically (tmp + os.replace).
+"""What the eval stage writes: eval_results.json (its record of what was evaluated: `header`; then the figures),
+results.md (tables), acceptance.png (a_k offline vs online), and the wandb summary (scalars, a table, a line plot per
+method). Files are written atomically (tmp + os.replace); `write_outputs` writes them all.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+import torch
+
 from dflash_pipeline.data.files import atomic_path, write_json, write_text
 from dflash_pipeline.eval.metrics import simulated_tau
 from dflash_pipeline.runtime.logger import RunLogger
 
 log = logging.getLogger(__name__)
+
+
+def header(s, digest: str, prompts: dict[str, list[dict]], references, numerics: dict) -> dict:
+    """The results' record of what was evaluated, how, and on what (s: eval/stage.py's Setup); the eval stage's
+    steps fill in the figures."""
+    e = s.cfg.eval
+    return {
+        "config_hash": digest,
+        "not_run": s.not_run,
+        "target": s.target.ref,
+        "drafter_dir": str(s.drafter_dir),
+        "block_size": s.block_size,
+        "trained_block_size": s.drafter.config.block_size,
+        "temperature": e.temperature,
+        **({"acceptance_rule": str(e.acceptance_rule)} if e.temperature > 0 else {}),
+        "max_new_tokens": e.max_new_tokens,
+        "datasets": list(prompts),
+        "prompts": {label: {"offline": len(ps), "online": len(ps[: e.online_prompts])}
+                    for label, ps in prompts.items()},
+        "references": {"folder": str(references.folder), "reused": references.reused,
+                       "generated": references.generated},
+        "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats "
+                               "(plain decoding in each other dtype of eval.baseline_dtypes after the first AR and "
+                               "after the second spec); medians of per-run time per output token",
+                   "device": str(s.device), "num_threads": torch.get_num_threads(),
+                   "repeats": e.timing_repeats},
+        "numerics": numerics,
+        "offline": {},
+        "methods": {m: {} for m in s.methods},
+    }
 
 
 def _f(x, digits: int = 3) -> str:

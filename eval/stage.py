@@ -5,7 +5,7 @@ Build, run, close: `build` loads the target, the exported drafter and every meth
 target's replies, the held-out teacher sequences), the teacher-forced metrics (eval/metrics.py, eval/tree.py), the
 cost curve and the policies' calibration (eval/costs.py), the online passes of every method on every set
 (eval/online.py), and the served run (eval/served.py); `run_eval` is the stage's bookkeeping (config hash, skip,
-threads) and writes the outputs.
+threads), and eval/report.py writes the outputs.
 
 Outputs (atomic): eval_results.json, results.md, acceptance.png, metrics.jsonl (+ wandb with logger=wandb).
 """
@@ -30,6 +30,7 @@ from dflash_pipeline.eval.inputs import (dataset_source, load_drafter, numerics,
 from dflash_pipeline.eval.methods import check_names, load_methods, runnable
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.eval.online import baseline_models, run_online
+from dflash_pipeline.eval.policies import EvalContext
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
@@ -116,14 +117,21 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                for label, ps in prompts.items()}
     log.info("AR references: %d reused, %d generated (%s)", references.reused, references.generated,
              references.folder)
-    results = header(s, digest, prompts, references, teacher_dir)
+    results = report.header(s, digest, prompts, references, numerics(s.target, teacher_dir, e.near_tie_tolerance))
     heldout, note = teacher_heldout_items(cfg, teacher_dir, s.drafter_dir, s.target, s.layer_ids)
     results["offline"]["teacher_heldout"] = offline(s, heldout, "teacher_heldout", note=note) if heldout else None
     if not heldout:
         log.warning("no offline metrics on held-out teacher data: %s", note)
     results["offline_note"] = note
-    ctx = calibrate(s, heldout or [], prompts, results)
-    own_runs = {label: evaluate_set(s, label, ps, replies[label], ctx, room, results) for label, ps in prompts.items()}
+    ctx, policies = calibrate(s, heldout or [], prompts)
+    results["costs"] = {**ctx.report(), "calibration_sequences": len(ctx.calibration), "per_set": {}}
+    results["policies"], own_runs = policies, {}
+    for label, ps in prompts.items():
+        run = evaluate_set(s, label, ps, replies[label], ctx, room)
+        results["offline"][label], results["costs"]["per_set"][label] = run.offline, run.costs
+        for m, figures in run.methods.items():
+            results["methods"][m][label] = figures
+        own_runs[label] = run.own
     if e.served.engine:  # after the own loop's timing, so that no engine process shares the cores with it
         settings = served_eval.ServeSettings.of(cfg, s.target, s.drafter_dir, s.block_size)
         results["served"] = served_eval.serve(settings, s.target, s.drafter, s.judge, prompts, own_runs, results)
@@ -155,36 +163,6 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
     return Setup(cfg, device, target, drafter, drafter_dir, B, methods, not_run, judge, baselines)
 
 
-def header(s: Setup, digest: str, prompts: dict[str, list[dict]], references: ReferenceCache,
-           teacher_dir: Path) -> dict:
-    """The results' record of what was evaluated, how, and on what; the steps fill in the figures."""
-    e = s.cfg.eval
-    return {
-        "config_hash": digest,
-        "not_run": s.not_run,
-        "target": s.target.ref,
-        "drafter_dir": str(s.drafter_dir),
-        "block_size": s.block_size,
-        "trained_block_size": s.drafter.config.block_size,
-        "temperature": e.temperature,
-        **({"acceptance_rule": str(e.acceptance_rule)} if e.temperature > 0 else {}),
-        "max_new_tokens": e.max_new_tokens,
-        "datasets": list(prompts),
-        "prompts": {label: {"offline": len(ps), "online": len(ps[: e.online_prompts])}
-                    for label, ps in prompts.items()},
-        "references": {"folder": str(references.folder), "reused": references.reused,
-                       "generated": references.generated},
-        "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats "
-                               "(plain decoding in each other dtype of eval.baseline_dtypes after the first AR and "
-                               "after the second spec); medians of per-run time per output token",
-                   "device": str(s.device), "num_threads": torch.get_num_threads(),
-                   "repeats": e.timing_repeats},
-        "numerics": numerics(s.target, teacher_dir, e.near_tie_tolerance),
-        "offline": {},
-        "methods": {m: {} for m in s.methods},
-    }
-
-
 def offline(s: Setup, items: list[dict], label: str, subset: int | None = None, note: str | None = None) -> dict:
     """Every method's teacher-forced metrics on `items` (trees: built per block, walked along the labels)."""
     trees = s.trees
@@ -203,40 +181,47 @@ def offline(s: Setup, items: list[dict], label: str, subset: int | None = None, 
     return res
 
 
-def calibrate(s: Setup, heldout: list[dict], prompts: dict[str, list[dict]], results: dict):
-    """The cost curve and the policies' choices, calibrated on held-out teacher sequences (eval/costs.py)."""
+def calibrate(s: Setup, heldout: list[dict], prompts: dict[str, list[dict]]) -> tuple[EvalContext, dict]:
+    """The cost curve and the policies' choices ({method: chosen}), calibrated on held-out teacher sequences."""
     ctx = costs.eval_context(s.cfg, s.target, s.drafter, s.block_size, heldout, prompts)
-    results["costs"] = {**ctx.report(), "calibration_sequences": len(ctx.calibration), "per_set": {}}
-    results["policies"] = {}
+    policies = {}
     for m, method in s.methods.items():
         chosen = method.prepare(ctx)
         if chosen:
-            results["policies"][m] = chosen
+            policies[m] = chosen
             log.info("%s: %s", m, chosen)
-    return ctx
+    return ctx, policies
 
 
-def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[int]], ctx, room: int,
-                 results: dict) -> dict:
-    """The offline metrics and every method's online decode of one eval set; {method: (AR outputs, rounds, spec
-    outputs)} of its first runs, for the served comparison."""
+@dataclass
+class SetRun:
+    """One eval set's figures: teacher-forced on the replies, its cost curve, each method's online figures, and the
+    first runs ({method: (AR outputs, rounds, spec outputs)}) the served comparison reads."""
+
+    offline: dict
+    costs: dict
+    methods: dict[str, dict]
+    own: dict[str, tuple]
+
+
+def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[int]], ctx: EvalContext,
+                 room: int) -> SetRun:
+    """The offline metrics and every method's online decode of one eval set."""
     e, B = s.cfg.eval, s.block_size
     seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, replies)]
     on_replies = offline(s, reply_items(s.target, s.layer_ids, seqs, final=bool(s.trees)), label, e.online_prompts)
-    results["offline"][label] = on_replies
     timed = prompts[: e.online_prompts]  # never empty: an empty set is refused above; online_prompts >= 1
     here = costs.cost_curve(s.target, s.drafter, costs.decode_context(timed, e.max_new_tokens, room), B,
                             tuple(ctx.tree_cost), [], label, e.cost_repeats)  # just before this set's timing
-    results["costs"]["per_set"][label] = here.report()
     ks = sorted(set(e.recall_k))
-    own_runs = {}
+    run = SetRun(on_replies, here.report(), {}, {})
     for m, method in s.methods.items():
         online = run_online(s.target, method, timed, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
                             temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats, strict=e.strict_exact,
                             costs=here, judge=s.judge, baselines=s.baselines, acceptance=str(e.acceptance_rule))
-        own_runs[m] = (online.pop("ar_outputs"), online.pop("spec_rounds"), online.pop("spec_outputs"))
+        run.own[m] = (online.pop("ar_outputs"), online.pop("spec_rounds"), online.pop("spec_outputs"))
         own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
-        results["methods"][m][label] = {
+        run.methods[m] = {
             **online,
             "a_k_offline": own["a_k"],
             "recall": on_replies["recall"],
@@ -249,5 +234,5 @@ def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[i
             "oracle_tau": on_replies["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
             "prompt_ids": [p["id"] for p in timed],
         }
-    return own_runs
+    return run
 
