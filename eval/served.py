@@ -485,6 +485,8 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     log.info("serving %s on %s in vLLM (%s, %d threads; engine log %s)", s.drafter_dir, s.target_dir, s.dtype,
              s.threads, log_file)
     sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
+    gate = None if sampled else Gate(s.block_size - 1, s.dtype, s.served.tolerance, judge,
+                                     export_contract(s.drafter_dir), drafter_contract(drafter))
     engine = ServedEval(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len, s.threads,
                         log_file, plain=not sampled, draft_sample_method=s.served.draft_sample_method if sampled
                         else "greedy", repair=s.served.repair)
@@ -492,7 +494,7 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
         for label, prompts in prompt_sets.items():
             timed = prompts[: s.online_prompts]
             out["sets"][label] = (_sampled(s, engine, target, drafter, timed, label) if sampled else
-                                  _greedy(s, engine, target, drafter, judge, timed, label, own_runs, results))
+                                  _greedy(s, engine, gate, target, timed, label, own_runs, results))
     finally:
         engine.close()
     out["pass"] = all(r["gate"]["pass"] for r in out["sets"].values())
@@ -508,14 +510,12 @@ def _sampled(s: ServeSettings, engine: ServedEval, target, drafter, timed: list[
                        s.temperature, seeds, s.served.batch, s.served.alpha, s.served.draft_sample_method, label)
 
 
-def _greedy(s: ServeSettings, engine: ServedEval, target, drafter, judge: ExactnessJudge, timed: list[dict],
-            label: str, own_runs: dict, results: dict) -> dict:
+def _greedy(s: ServeSettings, engine: ServedEval, gate: Gate, target, timed: list[dict], label: str, own_runs: dict,
+            results: dict) -> dict:
     ar, rounds, spec = own_runs[label]["chain"]
     own = results["methods"]["chain"][label]
     served = engine.run([p["prompt_ids"] for p in timed], s.max_new_tokens, target.eos_ids, s.repeats,
                         s.served.batch, label)
-    gate = Gate(s.block_size - 1, s.dtype, s.served.tolerance, judge, export_contract(s.drafter_dir),
-                drafter_contract(drafter))
     res = compare(served, OwnSet(timed, ar, rounds, spec, own["a_k_online"],
                                  results["offline"][label]["methods"]["chain"]["a_k"]), gate)
     fastest = min(own.get("ms_per_token_ar_by_dtype", {}).values(), default=own["ms_per_token_ar"])
