@@ -13,7 +13,11 @@ import json
 import re
 import os
 import subprocess
+import tempfile
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 
 SETUP = "bash scripts/setup_vllm.sh"
@@ -77,14 +81,21 @@ class VLLMEngine:
 
     model: the target's folder (models/target.py target_folder); dtype: "float32" / "bfloat16" / ...;
     speculative: vLLM's speculative_config (None: plain decoding); repair: mend the engine code the worker's checks
-    find wrong (models/vllm_worker.py). After start: .version, .checks ({name: right here}), .repaired ([names])."""
+    find wrong (models/vllm_worker.py); capture_layers: the project's tapped layer ids whose states `capture` returns
+    (vLLM's extract_hidden_states; no speculative drafter then). After start: .version, .checks ({name: right here}),
+    .repaired ([names])."""
 
     def __init__(self, cache_dir: str | Path, model: str | Path, dtype: str, max_model_len: int,
                  speculative: dict | None = None, threads: int = 1, log_file: Path | None = None,
-                 max_num_seqs: int = 64, repair: bool = False):
+                 max_num_seqs: int = 64, repair: bool = False, capture_layers: list[int] | None = None):
         python = vllm_python(cache_dir)
+        if capture_layers and speculative:
+            raise VLLMError("a vLLM engine either captures features or decodes with a drafter, not both")
+        self.capture_layers = list(capture_layers or [])
         settings = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "speculative": speculative,
-                    "max_num_seqs": max_num_seqs, "repair": repair}
+                    "max_num_seqs": max_num_seqs, "repair": repair,
+                    # vLLM counts the embeddings as state 0: the output of decoder layer i is its state i + 1
+                    "capture_layers": [i + 1 for i in self.capture_layers] or None}
         self.log_file = log_file
         self.log_start = Path(log_file).stat().st_size if log_file and Path(log_file).is_file() else 0
         stderr = open(log_file, "ab") if log_file else subprocess.DEVNULL
@@ -115,6 +126,26 @@ class VLLMEngine:
                                           "temperature": temperature, "seeds": seeds}) + "\n")
         self.proc.stdin.flush()
         return self._read()
+
+    def capture(self, prompts: list[list[int]]) -> tuple[list[torch.Tensor], float]:
+        """The tapped layers' states of every token of each prompt, (T, taps x H) in tap order and the engine's dtype
+        (what tapped() gives from transformers), from one prefill each; and the engine's seconds. The worker writes
+        them to files in a private temporary folder, read here (safetensors) and removed."""
+        if not self.capture_layers:
+            raise VLLMError("this vLLM engine was started without capture_layers: it captures no features")
+        with tempfile.TemporaryDirectory(prefix="dflash-capture-") as folder:
+            paths = [os.path.join(folder, f"{i}.safetensors") for i in range(len(prompts))]
+            self.proc.stdin.write(json.dumps({"op": "capture", "prompts": prompts, "paths": paths}) + "\n")
+            self.proc.stdin.flush()
+            seconds = self._read()["seconds"]
+            out = []
+            for prompt, path in zip(prompts, paths):
+                got = load_file(path)
+                if got["token_ids"].tolist() != list(prompt):
+                    raise VLLMError(f"vLLM's capture returned the states of other tokens than the prompt's ({path})")
+                states = got["hidden_states"]  # (T, taps, H)
+                out.append(states.reshape(states.shape[0], -1))
+            return out, seconds
 
     def close(self) -> None:
         if self.proc.poll() is None:

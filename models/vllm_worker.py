@@ -8,12 +8,21 @@ engine settings; then one JSON request per line on stdin and one JSON reply per 
     {"op": "generate", "prompts": [[ids]], "max_tokens": n, "stop_token_ids": [..], "batch": false,
      "temperature": 0.0, "seeds": null or [seed or null per prompt]}
         -> {"outputs": [[ids]], "seconds": [per request or one for the batch], "spec": [per request counters]}
+    {"op": "capture", "prompts": [[ids]], "paths": [file per prompt]}
+        -> {"seconds": s}: one prefill of each prompt (one output token, discarded); the tapped layers' states of every
+        prompt token written to its file (safetensors: hidden_states (T, taps, H) in the engine's dtype, token_ids
+        (T,)), renamed into place when complete. Needs "capture_layers" in the settings.
     {"op": "quit"}
 
 Temperature 0 (the default) is greedy: the project compares every output token for token. Above 0 the request
 samples (no top-k / top-p); a seed per prompt makes it a seeded request (vLLM's per-request generator), null leaves
 it to the engine's global generator. With "batch": false each prompt is its own generate call (batch 1; its seconds
 and its speculative counters are its own); true submits all at once.
+With "capture_layers" (vLLM's auxiliary layer ids: the project's tapped layer i is id i + 1) the engine runs vLLM's
+`extract_hidden_states` method: the target caches those layers' states per token beside its KV cache, and
+FileCapture, a KV connector defined here, copies a finished request's states to its file on the CPU (vLLM's example
+connector stages them through pinned CUDA memory, which the CPU build does not have). The engine core then runs
+in-process, so that the connector registered here is the one it builds. Only requests that name a file are written.
 Speculative counters are the deltas of LLM.get_metrics() over a call: drafts, draft tokens, accepted tokens and
 accepted tokens per draft position (vLLM's spec_decode_* counters).
 
@@ -79,14 +88,59 @@ def repair_expand() -> None:
     rs.expand_batch_to_tokens = expand
 
 
+def register_file_capture() -> None:
+    """Define FileCapture (module attribute, so vLLM's connector factory finds it by name) and register it."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as example
+
+    class FileCapture(example.ExampleHiddenStatesConnector):
+        """The example connector's bookkeeping with a synchronous CPU copy: extract, write, rename, done."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._written: set[str] = set()  # requests written since the last get_finished
+
+        def request_finished(self, request, block_ids):
+            if not (request.kv_transfer_params or {}).get("hidden_states_path"):
+                self._request_filenames.pop(request.request_id, None)
+                return False, None  # a reply request: nothing to keep, free its blocks now
+            return super().request_finished(request, block_ids)
+
+        def _submit_async_write(self, pending) -> None:
+            if not self._is_tp_rank_zero:
+                return
+            blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+            slots = (torch.arange(self._block_size)[None] + blocks[:, None] * self._block_size).flatten()
+            states = example.extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
+            tmp = pending.filename + ".part"
+            save_file({"hidden_states": states, "token_ids": pending.token_ids.clone()}, tmp)
+            os.replace(tmp, pending.filename)
+            self._written.add(pending.req_id)
+
+        def get_finished(self, finished_req_ids):
+            if self.has_connector_metadata():
+                meta = self._get_connector_metadata()
+                if isinstance(meta, example.ExampleHiddenStatesConnectorMetadata):
+                    for pending in meta.pending_saves:
+                        self._submit_async_write(pending)
+            done, self._written = self._written, set()
+            return done or None, None
+
+    globals()["FileCapture"] = FileCapture
+    KVConnectorFactory.register_connector("FileCapture", __name__, "FileCapture")
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     reply_fd = os.dup(1)  # the protocol's channel; everything printed from here on goes to stderr
     os.dup2(2, 1)
     replies = os.fdopen(reply_fd, "w", buffering=1)
 
-    if settings.get("repair"):  # the repaired function must be the one the engine core runs: keep it in-process
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    capture_layers = settings.get("capture_layers")
+    if settings.get("repair") or capture_layers:  # what is patched or registered here must be what the engine core
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # runs: keep it in-process
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -101,6 +155,15 @@ def main() -> None:
                   enforce_eager=True, seed=0, disable_log_stats=False, max_num_seqs=settings.get("max_num_seqs", 64))
     if settings.get("speculative"):
         kwargs["speculative_config"] = settings["speculative"]
+    if capture_layers:
+        register_file_capture()
+        kwargs["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                        "draft_model_config": {"hf_config": {
+                                            "eagle_aux_hidden_state_layer_ids": capture_layers}}}
+        kwargs["kv_transfer_config"] = {"kv_connector": "FileCapture", "kv_role": "kv_producer",
+                                        "kv_connector_extra_config": {"allow_custom_save_path": True,
+                                                                      "use_synchronization_lock": False}}
+        kwargs["enable_prefix_caching"] = False  # every prompt token's states computed by this request
     llm = LLM(**kwargs)
     replies.write(json.dumps({"ready": True, "version": vllm.__version__, "checks": checks, "repaired": repaired})
                   + "\n")
@@ -109,6 +172,18 @@ def main() -> None:
         req = json.loads(line)
         if req["op"] == "quit":
             break
+        if req["op"] == "capture":
+            t0 = time.perf_counter()
+            params = [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                                     extra_args={"kv_transfer_params": {"hidden_states_path": path}})
+                      for path in req["paths"]]
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+            for _ in range(100):  # a finished request's states are written on the engine's next step
+                if all(os.path.exists(path) for path in req["paths"]):
+                    break
+                llm.llm_engine.step()
+            replies.write(json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
+            continue
         seeds = req.get("seeds") or [None] * len(req["prompts"])
         params = [SamplingParams(temperature=req.get("temperature", 0.0), seed=seed, max_tokens=req["max_tokens"],
                                  stop_token_ids=req["stop_token_ids"], detokenize=False) for seed in seeds]
