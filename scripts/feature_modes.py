@@ -28,6 +28,9 @@ from pathlib import Path
 
 from dflash_pipeline.data.shards import TeacherDataset
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_common import BENCHMARK_COLUMNS, benchmark_cells, chain_scores, tau_cell  # noqa: E402
+
 RECIPE = ["experiment=smollm2_quick", "data.num_samples=272", "teacher.prefill_samples=672", "trainer.steps=800",
           "eval.num_prompts=40", "eval.online_prompts=2", "eval.max_new_tokens=64", "eval.cost_repeats=2",
           "eval.baseline_dtypes=[]", "eval.num_threads=2"]
@@ -57,10 +60,6 @@ def train_seconds(log: Path) -> float:
     return (stamp(end) - stamp(start)).total_seconds()
 
 
-def ci(x: list | None) -> str:
-    return "[{:.2f}, {:.2f}]".format(*x) if x else ""
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/feature_modes")
@@ -84,11 +83,7 @@ def main() -> None:
         train_s = train_seconds(folder / "dflash-pipeline.log")
         row = {"mode": mode, "disk_bytes": disk, "tokens": data.num_tokens, "bytes_per_token": disk / data.num_tokens,
                "teacher_s": data.teacher_seconds, "train_s": train_s, "s_per_step": train_s / steps,
-               "heldout": [held["tau_offline"], held["tau_offline_ci95"]]}
-        for ds in ("mtbench", "humaneval"):
-            off, on = res["offline"][ds], res["methods"]["chain"][ds]
-            row[ds] = {"tau_offline": off["tau_offline"], "ci95": off["tau_offline_ci95"],
-                       "tau_online": on["tau_online"], "exact": on["exact"]}
+               "heldout": [held["tau_offline"], held["tau_offline_ci95"]], **chain_scores(res)}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -109,16 +104,12 @@ def main() -> None:
     (out / "feature_modes.json").write_text(json.dumps({"rows": rows, "memory": memory}, indent=2))
     lines = [f"{os.cpu_count()} cores; recipe: {' '.join(recipe)}", "",
              "| features | bytes / token | dataset on disk | teacher min | train min (s / step) | held-out tau | "
-             "MT-Bench tau off [95% CI] / online | HumanEval tau off [95% CI] / online | exact |",
+             + BENCHMARK_COLUMNS,
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        h = r["heldout"]
         lines.append(f"| {r['mode']} | {r['bytes_per_token']:,.0f} | {r['disk_bytes'] / 2**20:,.1f} MiB | "
                      f"{r['teacher_s'] / 60:.1f} | {r['train_s'] / 60:.1f} ({r['s_per_step']:.2f}) | "
-                     f"{h[0]:.3f} {ci(h[1])} | "
-                     + " | ".join(f"{r[d]['tau_offline']:.3f} {ci(r[d]['ci95'])} / {r[d]['tau_online']:.2f}"
-                                  for d in ("mtbench", "humaneval"))
-                     + f" | {'yes' if all(r[d]['exact'] for d in ('mtbench', 'humaneval')) else 'NO'} |")
+                     f"{tau_cell(*r['heldout'])} | " + benchmark_cells(r))
     if memory:
         lines += ["", f"Training alone, {args.memory_steps} steps, one process:", "",
                   "| features | wall s / step (train stage) | peak resident memory |", "|---|---|---|"]

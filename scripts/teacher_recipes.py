@@ -31,6 +31,9 @@ from pathlib import Path
 from dflash_pipeline.data.shards import DatasetError, TeacherDataset, merge_datasets
 from dflash_pipeline.data.splits import PREFILLED
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_common import BENCHMARK_COLUMNS, benchmark_cells, chain_scores, tau_cell  # noqa: E402
+
 EVAL = ["eval.datasets=[mtbench,humaneval]", "eval.turns=1", "eval.num_prompts=40", "eval.online_prompts=2",
         "eval.max_new_tokens=64", "eval.cost_repeats=2", "eval.baseline_dtypes=[]", "eval.num_threads=2"]
 
@@ -115,32 +118,23 @@ def main() -> None:
         row = {"name": name, "sources": [str(s) for s in sources], "samples": len(data), "prefilled": prefilled,
                "reply_tokens": data.manifest["num_loss_tokens"], "teacher_s": teacher_s, "train_s": train_s,
                "cpu_hours": cores * (teacher_s + train_s) / 3600, "steps": steps,
-               "heldout": [held.get("tau_offline"), held.get("tau_offline_ci95")]}
-        for ds in ("mtbench", "humaneval"):
-            off, on = res["offline"][ds], res["methods"]["chain"][ds]
-            row[ds] = {"tau_offline": off["tau_offline"], "ci95": off["tau_offline_ci95"],
-                       "tau_online": on["tau_online"], "online_tokens": on["output_tokens"], "exact": on["exact"]}
+               "heldout": [held.get("tau_offline"), held.get("tau_offline_ci95")],
+               **chain_scores(res, online_tokens=True)}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipes.json").write_text(json.dumps(rows, indent=2))
 
-    def ci(x: list | None) -> str:
-        return "[{:.2f}, {:.2f}]".format(*x) if x else ""
-
     lines = [f"{cores} cores; {args.experiment}'s recipe; held-out: the row's own split", "",
              "| recipe | samples (prefilled) | reply tokens | steps | teacher min | train min | CPU-hours | "
-             "held-out tau | MT-Bench tau off [95% CI] / online | HumanEval tau off [95% CI] / online | exact |",
+             "held-out tau | " + BENCHMARK_COLUMNS,
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h = r["heldout"]
         lines.append(f"| {r['name']} | {r['samples']} ({r['prefilled']}) | {r['reply_tokens']:,} | {r['steps']} | "
                      f"{r['teacher_s'] / 60:.1f} | {r['train_s'] / 60:.1f} | {r['cpu_hours']:.2f} | "
-                     + (f"{h[0]:.3f} {ci(h[1])}" if h[0] else "") + " | "
-                     + " | ".join(f"{r[d]['tau_offline']:.3f} {ci(r[d]['ci95'])} / {r[d]['tau_online']:.2f}"
-                                  for d in ("mtbench", "humaneval"))
-                     + f" | {'yes' if all(r[d]['exact'] for d in ('mtbench', 'humaneval')) else 'NO'} |")
+                     + (tau_cell(*h) if h[0] else "") + " | " + benchmark_cells(r))
     (out / "recipes.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
