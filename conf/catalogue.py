@@ -25,8 +25,10 @@ from dflash_pipeline.conf.schema import COMPONENT_CONFIGS
 
 def drafter_sections(cfg) -> tuple[str, ...]:
     """The drafter stage's own config sections; DFlash2 joint training (trainer.selector_loss_weight > 0) trains the
-    selector in this stage too, so its settings enter the stage hash."""
-    return ("drafter", "trainer") + (("selector",) if cfg.trainer.get("selector_loss_weight", 0) > 0 else ())
+    selector in this stage too, so its settings enter the stage hash; so do the producer's (its engine and dtype:
+    where it spools is left out) when it feeds the features."""
+    return (("drafter", "trainer") + (("selector",) if cfg.trainer.get("selector_loss_weight", 0) > 0 else ())
+            + (("producer",) if cfg.trainer.get("features", "dataset") == "producer" else ()))
 
 
 @dataclass(frozen=True)

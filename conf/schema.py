@@ -82,6 +82,7 @@ class Rollback(Choice):
 class Capture(Choice):
     during = "during"
     separate = "separate"
+    engine = "engine"  # vLLM's own extraction (teacher.engine=vllm): one prefill pass in the engine that wrote the replies
 
 
 class TeacherMode(Choice):
@@ -116,6 +117,11 @@ class MixedPrecision(Choice):
 class Engine(Choice):
     hf = "hf"  # the project's own loop on transformers
     vllm = "vllm"  # vLLM in its own virtual environment (models/vllm_engine.py; bash scripts/setup_vllm.sh)
+
+
+class FeatureSource(Choice):  # trainer.features
+    dataset = "dataset"  # the teacher dataset's stored features (or the target's, captured in the loop: trainer.online)
+    producer = "producer"  # a feature producer's, through a spool (data/producer.py): no target body in the trainer
 
 
 class DraftSampleMethod(Choice):  # vLLM's speculative_config.draft_sample_method
@@ -224,7 +230,9 @@ class TeacherConfig:
     capture_batch_tokens: int = ranged(8192, ge=1)  # rows x longest sequence of a feature-capture prefill batch
     # during: features kept as generation computes them, the default as it spares separate's pass (figures:
     # docs/results/benchmarks.md); separate: one extra right-padded prefill pass after generation (features
-    # bit-identical however samples are batched)
+    # bit-identical however samples are batched); engine: vLLM captures them (teacher.engine=vllm) in a prefill pass of
+    # the engine that wrote the replies, so the target is loaded once, in vLLM (the teacher process reads only its
+    # embeddings and head)
     capture: Capture = Capture.during
     shard_size: int = ranged(64, ge=1)  # samples per shard
     feature_dtype: FeatureDType = FeatureDType.bfloat16  # float8_e4m3: half the disk; none: tokens only (online)
@@ -235,8 +243,8 @@ class TeacherConfig:
     mode: TeacherMode = TeacherMode.regenerate
     prefill_samples: int = ranged(0, ge=0)  # mixed: conversations prefilled besides the regenerated ones
     # who writes the regenerated replies: hf (the project's continuous batching) or vllm (vLLM in its own venv:
-    # bash scripts/setup_vllm.sh); features always come from the target's prefill capture here (teacher.capture is
-    # then `separate`), so both engines give the same kind of dataset
+    # bash scripts/setup_vllm.sh); its features come from the transformers target's prefill capture (`separate`), or
+    # with teacher.capture=engine from vLLM itself: either way the same kind of dataset
     engine: Engine = Engine.hf
 
 
@@ -376,11 +384,31 @@ class TrainerConfig:
     # a value here overrides the launcher.
     mixed_precision: Optional[MixedPrecision] = None
     online: bool = False  # features from the target in the loop instead of the stored teacher features
+    # producer: the drafter's features come from a producer process (dflash-producer: vLLM's extraction, or the
+    # transformers target) through producer.spool; the trainer loads the target's embeddings and head only
+    features: FeatureSource = FeatureSource.dataset
     resume: bool = False  # a killed run of the same config always resumes; true: also from another config's
     save_every: int = ranged(50, ge=1)
     keep_checkpoints: int = ranged(2, ge=1)
     eval_every: int = ranged(50, ge=1)
     log_every: int = ranged(10, ge=1)
+
+
+@dataclass
+class ProducerConfig:
+    """The feature producer (data/producer.py, `dflash-producer`) that feeds trainer.features=producer: it computes
+    the features of each training step's sequences and hands them over through a spool folder (data/spool.py)."""
+
+    engine: Engine = Engine.vllm  # vllm: vLLM's extract_hidden_states (its venv: bash scripts/setup_vllm.sh); hf
+    dtype: FeatureDType = FeatureDType.bfloat16  # the features as handed over (float32, bfloat16 or float16)
+    # the spool folder, relative to the run directory unless absolute; producer and trainers on other machines need
+    # it on a filesystem they share
+    spool: str = "spool"
+    capacity: int = ranged(4, ge=1)  # steps the producer may run ahead of the slowest trainer rank
+    wait_s: float = ranged(600.0, gt=0.0)  # how long either side waits for the other before it stops with an error
+    # true: the trainer's first process starts the producer itself on this machine (one command); false: you start
+    # `dflash-producer` with the same overrides, on this machine or on the engine's
+    launch: bool = True
 
 
 @dataclass
@@ -498,6 +526,7 @@ class Config:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

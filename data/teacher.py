@@ -9,7 +9,9 @@ covers the prompt and each decode step its token (a finished row stays one extra
 `separate` runs one more right-padded prefill pass over the finished sequences after generation: its features are
 bit-identical however samples are batched, `during`'s match them to float rounding (tested). `during` is the default
 because it spares that whole extra pass, while keeping the taps adds little to each step (scripts/bench_teacher.py;
-the figures: docs/results/benchmarks.md).
+the figures: docs/results/benchmarks.md). `engine` (with teacher.engine=vllm): vLLM writes the replies and then
+captures the features itself, one prefill of each finished sequence in the same engine (models/vllm_engine.py
+capture), so the target runs only in vLLM; this process loads its tokenizer, config, embeddings and head.
 
 teacher.mode=prefill takes the dataset's own assistant replies instead: one prefill per sequence gives the features
 and, at every token, the target's greedy choice after the dataset's prefix, which becomes that token's label
@@ -193,11 +195,18 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
     return samples
 
 
-def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg: DictConfig) -> None:
+def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg: DictConfig,
+                 engine: VLLMEngine | None = None) -> None:
     """Features (and top-k log-probs) of every sample. Samples that kept them from generation (teacher.capture=
     during) get their top-k from the stored final hidden states; the rest are captured in prefill batches bounded
-    by a token budget (sorted by length)."""
+    by a token budget (sorted by length), by vLLM itself with teacher.capture=engine."""
     k = cfg.teacher.topk_logprobs
+    if cfg.teacher.capture == "engine":
+        if cfg.teacher.feature_dtype != "none":
+            features, _ = engine.capture([s["input_ids"] for s in samples])
+            for s, f in zip(samples, features):
+                s["features"] = f
+        return
     for s in samples:
         final = s.pop("final_hidden", None)
         if final is not None and k:
@@ -219,7 +228,7 @@ def teacher_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_id
     regen = [c for c in convs if not c.get("prefill")]
     during = layer_ids if cfg.teacher.capture == "during" and engine is None else None
     samples = regenerate(target, regen, cfg, cfg.seed, progress, during, engine) if regen else []
-    add_features(target, samples, layer_ids, cfg)
+    add_features(target, samples, layer_ids, cfg, engine)
     prefilled = [c for c in convs if c.get("prefill")]
     if prefilled:
         samples += prefill_samples(target, prefilled, cfg, layer_ids)
@@ -270,11 +279,12 @@ def check_existing(out: Path, digest: str, config: dict) -> str:
     return "new"
 
 
-def teacher_and_target(cfg: DictConfig, data_dir: Path) -> tuple[TeacherDataset, Target]:
-    """A finished teacher dataset and the configured target, checked to belong together and to leave more than
-    trainer.heldout_samples sequences for training (what every training stage starts from)."""
+def teacher_and_target(cfg: DictConfig, data_dir: Path, body: bool = True) -> tuple[TeacherDataset, Target]:
+    """A finished teacher dataset and the configured target (body=False: its head alone, models/target.py
+    TargetHead), checked to belong together and to leave more than trainer.heldout_samples sequences for training
+    (what every training stage starts from)."""
     data = TeacherDataset(data_dir)
-    target = load_target(cfg.target, cfg.cache_dir)
+    target = load_target(cfg.target, cfg.cache_dir, body=body)
     tc = target.model.config
     meta = data.manifest["target"]
     if meta["hidden_size"] != tc.hidden_size or max(data.layer_ids) >= tc.num_hidden_layers:
@@ -314,7 +324,17 @@ def teacher_conversations(cfg: DictConfig, target: Target, note) -> list[dict]:
 
 
 def check_engine(cfg: DictConfig) -> None:
-    """teacher.engine=vllm: refused in one line where it cannot make the dataset (before any output)."""
+    """teacher.engine=vllm (and teacher.capture=engine): refused in one line where it cannot make the dataset (before
+    any output)."""
+    t = cfg.teacher
+    if t.capture == "engine":
+        if t.engine != "vllm":
+            raise DatasetError("teacher.capture=engine takes the features from vLLM: set teacher.engine=vllm (and run "
+                               "bash scripts/setup_vllm.sh once)")
+        if t.mode != "regenerate" or t.topk_logprobs:
+            raise DatasetError("teacher.capture=engine captures the features of regenerated replies only; prefilled "
+                               "samples (teacher.mode) and top-k log-probs (teacher.topk_logprobs) come from the "
+                               "transformers target: use teacher.capture=separate for them")
     if cfg.teacher.engine != "vllm":
         return
     if cfg.teacher.temperature > 0:
@@ -326,15 +346,19 @@ def check_engine(cfg: DictConfig) -> None:
         raise DatasetError(str(err)) from None
 
 
-def teacher_engine(cfg: DictConfig, target: Target, out: Path) -> contextlib.AbstractContextManager:
-    """The vLLM engine that writes the replies (teacher.engine=vllm), on the target's folder in the target's dtype
-    with this process's threads, logging to <out>/vllm.log; a null context for the hf engine."""
+def teacher_engine(cfg: DictConfig, target: Target, out: Path, layer_ids: list[int]
+                   ) -> contextlib.AbstractContextManager:
+    """The vLLM engine that writes the replies (teacher.engine=vllm) and with teacher.capture=engine captures the
+    features, on the target's folder in the target's dtype with this process's threads, logging to <out>/vllm.log;
+    a null context for the hf engine."""
     if cfg.teacher.engine != "vllm":
         return contextlib.nullcontext()
-    log.info("teacher: replies from vLLM (engine log %s)", out / "vllm.log")
+    capture = cfg.teacher.capture == "engine"
+    log.info("teacher: replies%s from vLLM (engine log %s)", " and features" if capture else "", out / "vllm.log")
     return VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), target.dtype,
                       target.config.max_position_embeddings, threads=torch.get_num_threads(),
-                      max_num_seqs=cfg.teacher.batch_size, log_file=out / "vllm.log")
+                      max_num_seqs=cfg.teacher.batch_size, log_file=out / "vllm.log",
+                      capture_layers=layer_ids if capture else None)
 
 
 def run_teacher(cfg: DictConfig, out: Path) -> Path:
@@ -351,7 +375,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
 
     # Everything that can fail on bad input is checked before the output folder is created.
     check_engine(cfg)
-    target = load_target(cfg.target, cfg.cache_dir)
+    target = load_target(cfg.target, cfg.cache_dir, body=cfg.teacher.capture != "engine")
     layer_ids = resolve_layer_ids(cfg.teacher.layer_ids, cfg.teacher.num_taps, target.num_layers)
     feature_dtype = FEATURE_DTYPES[str(cfg.teacher.feature_dtype)]
     notes: list[str] = []
@@ -389,7 +413,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
     desc = "teacher" if state.num_processes == 1 else f"teacher (rank 0 of {state.num_processes})"
     regenerating = any(not convs[i]["prefill"] for k in todo for i in shards[k])
     with contextlib.ExitStack() as stack:
-        engine = stack.enter_context(teacher_engine(cfg, target, out)) if regenerating else None
+        engine = stack.enter_context(teacher_engine(cfg, target, out, layer_ids)) if regenerating else None
         bar = stack.enter_context(Progress(desc, total, "sample", initial=done, enabled=state.is_main_process))
         for k in todo:  # the bar moves as replies finish; features and the shard file follow each shard
             start = time.perf_counter()
@@ -415,7 +439,8 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
             "feature_dtype": cfg.teacher.feature_dtype,
             "topk_logprobs": cfg.teacher.topk_logprobs,
             "mode": str(cfg.teacher.mode),
-            "engine": str(cfg.teacher.engine),  # who wrote the regenerated replies (features: always this target)
+            "engine": str(cfg.teacher.engine),  # who wrote the regenerated replies
+            "capture": str(cfg.teacher.capture),  # who captured the features (engine: vLLM, else transformers)
             "num_prefilled": sum(c["prefill"] for c in convs),
             "num_samples": sum(r["num_samples"] for r in records),
             "num_tokens": sum(r["num_tokens"] for r in records),

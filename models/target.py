@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from safetensors import safe_open
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedTokenizerBase)
 
 from dflash_pipeline.data.files import follow_umask
 from dflash_pipeline.models.cache import CacheError, check_supported
@@ -274,17 +276,90 @@ def target_folder(cfg, cache_dir: str | Path) -> Path:
     return out
 
 
-def load_target(cfg, cache_dir: str | Path) -> Target:
-    """Load the frozen target in eval mode with no gradients. `cfg` is a conf.schema.TargetConfig."""
+class TargetHead(torch.nn.Module):
+    """The target without its decoder layers: config, generation config, input embeddings and output head, the
+    parts a drafter shares with its target. For a process whose features come from elsewhere (a feature producer,
+    vLLM's capture): the body's memory is never allocated there."""
+
+    def __init__(self, config, generation_config, embed: torch.nn.Module, head: torch.nn.Module):
+        super().__init__()
+        self.config, self.generation_config = config, generation_config
+        self.embed_tokens, self.lm_head = embed, head
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise TargetError(f"{folder} holds no safetensors weights: a target without its body is read from them")
+    return files
+
+
+def load_head(folder: str | Path, dtype: torch.dtype, trust_remote_code: bool = False) -> TargetHead:
+    """TargetHead of the model folder: the module names come from a skeleton built on the meta device (no memory),
+    the two weights from the safetensors files (a stored name matched exactly, else by its last two parts); an
+    output head that is not stored is the embeddings, tied."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(str(folder), allow_patterns=["*.json", "*.safetensors"]))
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        generation = GenerationConfig.from_model_config(config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names = {id(m): n for n, m in skeleton.named_modules()}
+    wanted = {part: names[id(module)] + ".weight"
+              for part, module in (("embed", skeleton.get_input_embeddings()), ("head", skeleton.get_output_embeddings()))}
+    found: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder):
+        with safe_open(file, framework="pt") as f:
+            for part, name in wanted.items():
+                tail = ".".join(name.split(".")[-2:])
+                key = name if name in f.keys() else next((k for k in f.keys() if k.endswith(tail)), None)
+                if key is not None and part not in found:
+                    found[part] = f.get_tensor(key).to(dtype)
+    if "embed" not in found:
+        raise TargetError(f"{folder}: no input embeddings ({wanted['embed']}) among its safetensors weights")
+    embed = torch.nn.Embedding.from_pretrained(found["embed"], freeze=True)
+    weight = found.get("head", found["embed"])  # not stored: tied, the head reads the embeddings' own weight
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")  # no init: the global RNG
+    head.weight = torch.nn.Parameter(weight, requires_grad=False) if "head" in found else embed.weight  # stays put
+    return TargetHead(config, generation, embed, head).eval().requires_grad_(False)
+
+
+def target_ref(cfg) -> str:
+    """How a target config is recorded in datasets, checkpoints and exports."""
+    if cfg.kind == "tiny":
+        ref = f"tiny:{cfg.tiny.hidden_size}x{cfg.tiny.num_hidden_layers}:seed{cfg.tiny.init_seed}"
+        return ref + (f":std{cfg.tiny.initializer_range:g}" if cfg.tiny.initializer_range != 0.02 else "")
+    return cfg.path if cfg.kind == "hf" else f"{cfg.path}/{cfg.gguf_file}"
+
+
+def load_target(cfg, cache_dir: str | Path, body: bool = True) -> Target:
+    """Load the frozen target in eval mode with no gradients. `cfg` is a conf.schema.TargetConfig. body=False: its
+    head alone (TargetHead: config, embeddings, output head), read from target_folder, in the same dtype."""
     tokenizer = load_tokenizer(cfg, cache_dir)
     name, why = resolve_dtype(str(cfg.dtype), "cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch_dtype(name)
+    ref = target_ref(cfg)
+    if not body:
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = load_head(target_folder(cfg, cache_dir), dtype, trust_remote_code=cfg.trust_remote_code)
+        return Target(model=model, tokenizer=tokenizer, ref=ref, numerics={"dtype": name, **why, "machine": machine()},
+                      rollback=str(cfg.get("rollback", "record")))
     if cfg.kind == "tiny":
         special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         model = build_tiny(cfg, len(tokenizer), special).to(dtype)
-        ref = f"tiny:{cfg.tiny.hidden_size}x{cfg.tiny.num_hidden_layers}:seed{cfg.tiny.init_seed}"
-        if cfg.tiny.initializer_range != 0.02:
-            ref += f":std{cfg.tiny.initializer_range:g}"
     else:
         src = resolve_pretrained(cfg.kind, cfg.path, cfg.gguf_file, cache_dir)
         try:
@@ -298,7 +373,6 @@ def load_target(cfg, cache_dir: str | Path) -> Target:
             missing = sorted(info["missing_keys"])
             raise TargetError(f"target {cfg.path!r} lacks weights {missing[:3]}{' ...' if len(missing) > 3 else ''}: "
                               "the folder does not hold this causal LM's checkpoint")
-        ref = cfg.path if cfg.kind == "hf" else f"{cfg.path}/{cfg.gguf_file}"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     try:

@@ -12,8 +12,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 TEACHER_SECTIONS = ("seed", "target", "data", "teacher")
-# Keys that never change a stage's output: where outputs go, logging cadence, how a run is continued or launched.
-IGNORED = {"out_dir", "log_every", "save_every", "resume", "component"}
+# Keys that never change a stage's output: where outputs go, logging cadence, how a run is continued or launched, how
+# a producer hands features over (producer.spool, capacity, wait_s, launch).
+IGNORED = {"out_dir", "log_every", "save_every", "resume", "component", "spool", "capacity", "wait_s", "launch"}
 
 
 def component_of(stage: str) -> str:

@@ -15,11 +15,12 @@ from omegaconf import DictConfig
 
 @dataclass
 class StageInputs:
-    """Where a training stage reads from: the teacher dataset, and for a component trained on a frozen drafter, the
-    drafter's export folder."""
+    """Where a training stage reads from: the teacher dataset, for a component trained on a frozen drafter the
+    drafter's export folder, and the run directory (where a feature producer's spool is, trainer.features=producer)."""
 
     teacher: Path
     drafter: Path | None = None
+    run_dir: Path | None = None
 
 
 @runtime_checkable

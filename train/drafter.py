@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch, step_seed
+from dflash_pipeline.data.producer import launch, spool_of
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
@@ -152,6 +153,49 @@ class DrafterWithSelector(torch.nn.Module):
         return self.drafter.fsdp_units()
 
 
+class ProducerFeed:
+    """The drafter's features from a feature producer's spool (trainer.features=producer, data/producer.py): each
+    process reads its own slots of each step's global batch, and tells the producer which step it is at."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, data, heldout: list[int]):
+        from accelerate import PartialState
+
+        state = PartialState()
+        self.rank, self.reading, self.heldout = state.process_index, None, heldout
+        self.spool = spool_of(cfg, run_dir, data)
+        self.producer = None
+        if cfg.producer.launch and state.is_main_process:
+            self.producer = launch(cfg, run_dir, self.spool.folder, data.folder)
+            log.info("started a %s feature producer (pid %d, log %s)", cfg.producer.engine, self.producer.pid,
+                     self.spool.folder / "producer.log")
+        else:
+            log.info("features from the producer spooling to %s (start it with this run's overrides: dflash-producer)",
+                     self.spool.folder)
+
+    def features(self, indices: list[int], step: int | None, slot0: int) -> list[torch.Tensor]:
+        if step is None:  # held-out: their slots in the held-out file
+            return self.spool.read(self.spool.heldout_file, [self.heldout.index(i) for i in indices], indices,
+                                   self._check_producer)
+        if step != self.reading:
+            self.spool.mark_read(self.rank, step)
+            self.reading = step
+        return self.spool.read(self.spool.step_file(step), list(range(slot0, slot0 + len(indices))), indices,
+                               self._check_producer)
+
+    def _check_producer(self) -> None:
+        if self.producer is not None and self.producer.poll() not in (None, 0):
+            raise TrainError(f"the feature producer this trainer started exited with code {self.producer.returncode}: "
+                             f"see {self.spool.folder / 'producer.log'}")
+
+    def close(self) -> None:
+        """Stop the producer this process started, and drop the spooled steps the last checkpoint has passed."""
+        if self.producer is not None and self.producer.poll() is None:
+            self.producer.terminate()
+            self.producer.wait()
+        if self.rank == 0:
+            self.spool.drop_before(self.spool.committed())
+
+
 def drafter_of(model) -> DFlashDrafter:
     """The drafter inside whatever the loop holds: a DDP wrapper, a DrafterWithSelector, or the drafter itself."""
     model = getattr(model, "module", model)
@@ -166,8 +210,12 @@ class DrafterComponent:
 
     def __init__(self, cfg: DictConfig, inputs: StageInputs, device: torch.device):
         self.cfg, t = cfg, cfg.trainer
-        self.data, self.target = teacher_and_target(cfg, inputs.teacher)
-        self.online = t.online or not self.data.has_features
+        produced = t.features == "producer"
+        if produced and (t.online or cfg.drafter.init == "target"):
+            raise TrainError("trainer.features=producer trains without the target's body: drop trainer.online "
+                             "(the producer's features replace it) and drafter.init=target (it copies target layers)")
+        self.data, self.target = teacher_and_target(cfg, inputs.teacher, body=not produced)
+        self.online = not produced and (t.online or not self.data.has_features)
         if not t.online and self.online:
             log.info("teacher data at %s stores no features (teacher.feature_dtype=none): capturing them from the "
                      "target in the training loop, as trainer.online=true", inputs.teacher)
@@ -175,6 +223,7 @@ class DrafterComponent:
             raise DatasetError("trainer.loss=kl needs teacher top-k log-probs: rerun the teacher with "
                                "teacher.topk_logprobs=20 (or another k > 0)")
         self.train_idx, self.heldout_idx = split_heldout(self.data.ids, t.heldout_samples, t.train_samples)
+        self.feed = ProducerFeed(cfg, inputs.run_dir, self.data, self.heldout_idx) if produced else None
         self.dconf = drafter_config(cfg, self.target, self.data.layer_ids)
         self.block_size = self.dconf.block_size
         self.gamma = t.gamma or default_gamma(self.block_size)
@@ -225,19 +274,32 @@ class DrafterComponent:
     def step_items(self, step: int) -> list[int]:
         return step_batch(self.train_idx, step, self.cfg.trainer.batch_sequences, self.cfg.seed)
 
-    def items(self, indices: list[int]) -> list[dict]:
+    def items(self, indices: list[int], step: int | None = None, slot0: int = 0) -> list[dict]:
         """Teacher samples; online (trainer.online, or a tokens-only dataset) the features come from the target now
-        instead of from disk."""
+        instead of from disk; fed by a producer, from its spool: slots slot0.. of `step`'s global batch (None: the
+        held-out sequences)."""
         items = [self.data[i] for i in indices]
-        if self.online:
+        if self.feed is not None:
+            for item, features in zip(items, self.feed.features(indices, step, slot0)):
+                item["features"] = features
+        elif self.online:
             recapture(self.target.model, items, self.data.layer_ids, pad_id=self.target.tokenizer.pad_token_id)
         return items
+
+    def checkpointed(self, step: int) -> None:
+        if self.feed is not None:
+            self.feed.spool.commit(step)
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
 
     def batch(self, indices: list[int], step: int, slot0: int = 0) -> dict:
         """Pack sequences into blocks. Anchors are drawn per (step, slot in the global batch), so any split of the
         global batch over processes and micro-batches draws the same anchors."""
         gens = anchor_generators(self.cfg.seed, step, slot0, len(indices))
-        batch = pack_blocks(self.items(indices), block_size=self.block_size, mask_token_id=self.dconf.mask_token_id,
+        batch = pack_blocks(self.items(indices, step, slot0), block_size=self.block_size,
+                            mask_token_id=self.dconf.mask_token_id,
                             anchors_per_sequence=self.cfg.trainer.anchors_per_sequence, generators=gens)
         noise = self.cfg.trainer.feature_noise
         if noise > 0:  # a regulariser: each feature vector moved by `noise` times its own RMS, seeded per step
@@ -331,6 +393,8 @@ class DrafterComponent:
         was_training = model.training
         model.eval()
         drafter = drafter_of(model)
+        if indices is not None and self.feed is not None and list(indices) != self.heldout_idx:
+            raise TrainError("fed by a producer, the drafter is evaluated on the held-out sequences only")
         items = self.items(indices if indices is not None else self.heldout_idx)
         methods = None
         if self.selector_weight > 0:

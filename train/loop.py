@@ -108,7 +108,8 @@ def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, dra
     a finished run of another config (a component on a frozen drafter is cheap and simply trained again)."""
     entry = catalogue.component(name)
     own = cfg.get(name) if entry.config is not None else None
-    inputs = StageInputs(teacher=Path(data_dir or cfg.trainer.data_dir or _run_dir(out, name) / cfg.teacher.out_dir))
+    inputs = StageInputs(teacher=Path(data_dir or cfg.trainer.data_dir or _run_dir(out, name) / cfg.teacher.out_dir),
+                         run_dir=_run_dir(out, name))
     if entry.on_frozen_drafter:
         inputs.drafter = Path(own.get("drafter_dir") or drafter_dir or out.parent / "export")
         if not (inputs.drafter / "config.json").is_file():
@@ -200,7 +201,10 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     start = resume(accelerator, stage, parallel)
     logger = RunLogger(cfg, out, "train" if name == "drafter" else f"train-{name}", enabled=accelerator.is_main_process,
                        resume=start > 0)
-    train_steps(accelerator, stage, comp, parallel, logger, start)
+    try:
+        train_steps(accelerator, stage, comp, parallel, logger, start)
+    finally:
+        getattr(comp, "close", lambda: None)()  # what the component started (a feature producer) stops with it
     with parallel.unsharded() as trained:
         if accelerator.is_main_process:
             comp.export(trained, out / "export")
@@ -269,6 +273,8 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
             save_checkpoint(accelerator, parallel, stage.out / "checkpoints", step + 1, t.keep_checkpoints,
                             stage.digest)
+            if accelerator.is_main_process and hasattr(comp, "checkpointed"):
+                comp.checkpointed(step + 1)  # e.g. a feature producer may drop the steps before it
     bar.close()
 
 

@@ -1,0 +1,141 @@
+"""Feature producer: the target runs here, in an inference engine, and the trainer (trainer.features=producer) gets
+its features through a spool (data/spool.py) without loading the target's body.
+
+The producer reads the teacher dataset's tokens, works out the training run's sample order itself (the same
+function of seed and step the trainer uses: data/splits.py step_batch), and writes, step after step, the tapped
+layers' features of each step's sequences: vLLM's extract_hidden_states (producer.engine=vllm,
+models/vllm_engine.py capture) or the transformers target's prefill capture (hf, the teacher's `separate` capture).
+It keeps at most producer.capacity steps ahead of the slowest trainer rank, and deletes steps the trainer has
+checkpointed past. Killed and started again, it goes on from the trainer's last checkpoint, skipping the steps
+already spooled; a trainer killed and resumed reads from its checkpoint's step, which the spool still holds.
+
+Run it with the trainer's overrides (`dflash-producer experiment=... hydra.run.dir=<the trainer's run dir>`), on the
+engine's machine with the spool on a shared filesystem; or let the trainer start it (producer.launch=true).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_pipeline.conf.schema import check_config
+from dflash_pipeline.data.shards import FEATURE_DTYPES, DatasetError, TeacherDataset
+from dflash_pipeline.data.splits import split_heldout, step_batch
+from dflash_pipeline.data.spool import Spool
+from dflash_pipeline.runtime.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+def spool_of(cfg: DictConfig, run_dir: str | Path, data: TeacherDataset) -> Spool:
+    """The run's spool, keyed by what fixes the sample order and the features: seed, global batch, steps, split,
+    the dataset, its taps and the handed-over dtype (a producer of another config is refused, not trusted)."""
+    t, p = cfg.trainer, cfg.producer
+    if str(p.dtype) not in ("float32", "bfloat16", "float16"):
+        raise DatasetError(f"producer.dtype={p.dtype}: the producer hands features over as float32, bfloat16 or "
+                           "float16")
+    key = {"seed": cfg.seed, "batch_sequences": t.batch_sequences, "steps": t.steps,
+           "heldout_samples": t.heldout_samples, "train_samples": t.train_samples,
+           "dataset": data.manifest["config_hash"], "layer_ids": list(data.layer_ids), "dtype": str(p.dtype)}
+    folder = Path(p.spool)
+    return Spool(folder if folder.is_absolute() else Path(run_dir) / folder, key, p.wait_s)
+
+
+def teacher_dir(cfg: DictConfig, run_dir: str | Path) -> Path:
+    """The teacher dataset the drafter stage reads (trainer.data_dir, else the run's teacher stage)."""
+    return Path(cfg.trainer.data_dir or Path(run_dir) / cfg.teacher.out_dir)
+
+
+@contextlib.contextmanager
+def feature_engine(cfg: DictConfig, layer_ids: list[int], log_file: Path):
+    """A function sequences -> their features (T, taps*H) each: vLLM's capture, or the transformers target's."""
+    from dflash_pipeline.models.target import load_target, target_folder
+
+    if cfg.producer.engine == "vllm":
+        from dflash_pipeline.models.vllm_engine import VLLMEngine
+
+        head = load_target(cfg.target, cfg.cache_dir, body=False)
+        with VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), head.dtype,
+                        head.config.max_position_embeddings, threads=torch.get_num_threads(),
+                        max_num_seqs=cfg.trainer.batch_sequences, log_file=log_file,
+                        capture_layers=layer_ids) as engine:
+            yield lambda seqs: engine.capture(seqs)[0]
+    else:
+        from dflash_pipeline.models.generation import capture_batched
+
+        target = load_target(cfg.target, cfg.cache_dir)
+        pad = target.tokenizer.pad_token_id
+        yield lambda seqs: [o["features"] for o in capture_batched(
+            target.model, seqs, layer_ids, pad_id=pad, max_tokens=cfg.teacher.capture_batch_tokens)]
+
+
+def run_producer(cfg: DictConfig, run_dir: str | Path, data_dir: str | Path | None = None) -> Path:
+    """Spool the features of every training step of `cfg` (and of its held-out sequences) from the teacher dataset
+    at `data_dir` (default: the one the drafter stage of `run_dir` reads); returns the spool."""
+    check_config(cfg)
+    data = TeacherDataset(data_dir or teacher_dir(cfg, run_dir))
+    t = cfg.trainer
+    train_idx, heldout_idx = split_heldout(data.ids, t.heldout_samples, t.train_samples)
+    spool = spool_of(cfg, run_dir, data)
+    dtype = FEATURE_DTYPES[str(cfg.producer.dtype)]
+    start = spool.committed()
+    spool.heartbeat(start)
+    log.info("producer: %s features of %d steps x %d sequences (taps %s) -> %s, from step %d",
+             cfg.producer.engine, t.steps, t.batch_sequences, data.layer_ids, spool.folder, start)
+
+    def tokens(indices: list[int]) -> list[list[int]]:
+        return [data[i]["input_ids"].tolist() for i in indices]
+
+    with contextlib.ExitStack() as stack:
+        features = stack.enter_context(feature_engine(cfg, data.layer_ids, spool.folder / "engine.log"))
+        bar = stack.enter_context(Progress("producer", t.steps, "step", initial=start))
+        if not spool.heldout_file.is_file():
+            spool.write(spool.heldout_file, heldout_idx, [f.to(dtype) for f in features(tokens(heldout_idx))])
+        for step in range(start, t.steps):
+            if not spool.step_file(step).is_file():
+                spool.wait_for_room(step, cfg.producer.capacity, on_wait=spool.heartbeat)
+                indices = step_batch(train_idx, step, t.batch_sequences, cfg.seed)
+                began = time.perf_counter()
+                out = features(tokens(indices))
+                spool.write(spool.step_file(step), indices, [f.to(dtype) for f in out])
+                bar.add("tok", sum(len(f) for f in out))
+                log.debug("producer: step %d in %.2f s", step, time.perf_counter() - began)
+            spool.heartbeat(step + 1)
+            bar.update()
+    spool.heartbeat(t.steps, done=True)
+    log.info("producer: every step spooled at %s", spool.folder)
+    return spool.folder
+
+
+def launch(cfg: DictConfig, run_dir: str | Path, folder: Path, data_dir: Path) -> subprocess.Popen:
+    """Start a producer for `cfg` in a process of its own on this machine (producer.launch=true), logging to
+    <spool>/producer.log; the config goes to it as a resolved YAML file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "producer-config.yaml"
+    OmegaConf.save(cfg, config, resolve=True)
+    with open(folder / "producer.log", "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "dflash_pipeline.data.producer", str(config), str(run_dir),
+                                 str(data_dir)],
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def main() -> None:
+    """python -m dflash_pipeline.data.producer <resolved config.yaml> <run dir> <teacher dataset> (what `launch`
+    starts)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cfg = OmegaConf.load(sys.argv[1])
+    try:
+        run_producer(cfg, sys.argv[2], sys.argv[3])
+    except DatasetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
