@@ -157,6 +157,10 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
         elif stage == "components":
             for name in ["drafter", *[str(c) for c in cfg.pipeline.components]]:
                 train(name)
+        elif stage == "producer":  # the drafter stage's features, for trainer.features=producer (its run folder)
+            from dflash_pipeline.data.producer import run_producer
+
+            run_producer(cfg, dirs["train"].parent, dirs["teacher"])
         elif stage == "eval":
             run_eval(cfg, dirs["eval"], teacher_dir=dirs["teacher"], train_dir=dirs["train"],
                      component_dirs={k.split("/", 1)[1]: v for k, v in dirs.items() if k.startswith("train/")})
@@ -221,5 +225,7 @@ def _command(name: str, stages: list[str], doc: str):
 teacher = _command("dflash-teacher", ["teacher"], "regenerate replies with the target and store its features.")
 train = _command("dflash-train", ["train"], "train a component on the teacher dataset.")
 evaluate = _command("dflash-eval", ["eval"], "acceptance offline and with real verification.")
+producer = _command("dflash-producer", ["producer"],
+                    "compute the drafter's features in an engine and spool them to a trainer (trainer.features=producer).")
 pipeline = _command("dflash-pipeline", ["teacher", "components", "eval"],
                     "teacher -> drafter -> pipeline.components -> eval for one experiment.")
