@@ -224,12 +224,13 @@ def test_served_acceptance_equals_the_own_loop_in_float32(vllm_run):
 
 @needs_vllm
 def test_vllm_teacher_equals_the_hf_teacher(vllm_run, tmp_path):
-    """Replies token-identical in float32, features equal to bf16 storage rounding, the engine in the manifest,
-    and a folder made by one engine refused by the other in one line."""
+    """Replies token-identical in float32, features (vLLM's capture against transformers') equal to bf16 storage
+    rounding, the engine in the manifest, and a folder made by one engine refused by the other in one line."""
     from dflash_pipeline.data.shards import DatasetError, TeacherDataset
     from dflash_pipeline.data.teacher import run_teacher
 
-    hf_dir = run_teacher(make_config("experiment=tiny_vllm", "teacher.engine=hf"), tmp_path / "teacher")
+    hf_dir = run_teacher(make_config("experiment=tiny_vllm", "teacher.engine=hf", "teacher.capture=separate"),
+                         tmp_path / "teacher")
     hf, vl = TeacherDataset(hf_dir), TeacherDataset(vllm_run / "teacher")
     assert hf.ids == vl.ids and len(hf) == 64
     assert (hf.manifest["engine"], vl.manifest["engine"]) == ("hf", "vllm")
