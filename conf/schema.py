@@ -82,7 +82,7 @@ class Rollback(Choice):
 class Capture(Choice):
     during = "during"
     separate = "separate"
-    engine = "engine"  # vLLM's own extraction (teacher.engine=vllm): one prefill pass in the engine that wrote the replies
+    engine = "engine"  # vLLM's own extraction (teacher.engine=vllm): a prefill in the engine that wrote the replies
 
 
 class TeacherMode(Choice):

@@ -28,6 +28,7 @@ from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.data.shards import FEATURE_DTYPES, DatasetError, TeacherDataset
 from dflash_pipeline.data.splits import split_heldout, step_batch
 from dflash_pipeline.data.spool import Spool
+from dflash_pipeline.models.vllm_engine import VLLMError
 from dflash_pipeline.runtime.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,10 @@ def feature_engine(cfg: DictConfig, layer_ids: list[int], log_file: Path):
     from dflash_pipeline.models.target import load_target, target_folder
 
     if cfg.producer.engine == "vllm":
-        from dflash_pipeline.models.vllm_engine import VLLMEngine
+        from dflash_pipeline.models.vllm_engine import VLLMEngine, check_capture_layers
 
         head = load_target(cfg.target, cfg.cache_dir, body=False)
+        check_capture_layers(layer_ids, head.num_layers)
         with VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), head.dtype,
                         head.config.max_position_embeddings, threads=torch.get_num_threads(),
                         max_num_seqs=cfg.trainer.batch_sequences, log_file=log_file,
@@ -132,7 +134,7 @@ def main() -> None:
     cfg = OmegaConf.load(sys.argv[1])
     try:
         run_producer(cfg, sys.argv[2], sys.argv[3])
-    except DatasetError as e:
+    except (DatasetError, VLLMError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -43,7 +43,7 @@ class Spool:
         if info.is_file():
             theirs = json.loads(info.read_text())["key"]
             if theirs != key:
-                diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {key.get(k)!r}" for k in key if theirs.get(k) != key.get(k))
+                diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in key.items() if theirs.get(k) != v)
                 raise SpoolError(f"{self.folder} spools the features of another run ({diff}): give this run its own "
                                  "producer.spool, or delete the folder")
         else:

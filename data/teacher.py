@@ -46,7 +46,7 @@ from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.splits import PREFILLED
 from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs
 from dflash_pipeline.models.target import Target, load_target, output_logits, resolve_layer_ids, target_folder
-from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, vllm_python
+from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, check_capture_layers, vllm_python
 
 log = logging.getLogger(__name__)
 
@@ -377,6 +377,11 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
     check_engine(cfg)
     target = load_target(cfg.target, cfg.cache_dir, body=cfg.teacher.capture != "engine")
     layer_ids = resolve_layer_ids(cfg.teacher.layer_ids, cfg.teacher.num_taps, target.num_layers)
+    if cfg.teacher.capture == "engine":
+        try:
+            check_capture_layers(layer_ids, target.num_layers)
+        except VLLMError as err:
+            raise DatasetError(str(err)) from None
     feature_dtype = FEATURE_DTYPES[str(cfg.teacher.feature_dtype)]
     notes: list[str] = []
 

@@ -317,8 +317,8 @@ def load_head(folder: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = {id(m): n for n, m in skeleton.named_modules()}
-    wanted = {part: names[id(module)] + ".weight"
-              for part, module in (("embed", skeleton.get_input_embeddings()), ("head", skeleton.get_output_embeddings()))}
+    parts = {"embed": skeleton.get_input_embeddings(), "head": skeleton.get_output_embeddings()}
+    wanted = {part: names[id(module)] + ".weight" for part, module in parts.items()}
     found: dict[str, torch.Tensor] = {}
     for file in _weight_files(folder):
         with safe_open(file, framework="pt") as f:

@@ -76,6 +76,16 @@ def root_cause(log_file: str | Path, start: int = 0) -> str | None:
     return lines[-1][:300] if lines else None
 
 
+def check_capture_layers(layer_ids: list[int], num_layers: int) -> None:
+    """vLLM's extraction gives the last decoder layer's output before the final norm, transformers' hidden_states
+    (the project's taps: models/target.py tapped) after it: refused, naming the fix, rather than stored different."""
+    if num_layers - 1 in layer_ids:
+        raise VLLMError(f"taps {list(layer_ids)} include the last layer ({num_layers - 1}), whose state vLLM captures "
+                        "before the final norm and transformers after it: tap earlier layers (teacher.layer_ids / "
+                        "teacher.num_taps), or capture with transformers (teacher.capture=separate, "
+                        "producer.engine=hf)")
+
+
 class VLLMEngine:
     """One vLLM engine (the target, with or without a speculative drafter) in a subprocess; a context manager.
 

@@ -113,7 +113,8 @@ def register_file_capture() -> None:
                 return
             blocks = torch.tensor(pending.block_ids, dtype=torch.long)
             slots = (torch.arange(self._block_size)[None] + blocks[:, None] * self._block_size).flatten()
-            states = example.extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
+            states = example.extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
+            states = states.to("cpu", copy=True)  # off the cache (and off a GPU) before its blocks are freed
             tmp = pending.filename + ".part"
             save_file({"hidden_states": states, "token_ids": pending.token_ids.clone()}, tmp)
             os.replace(tmp, pending.filename)

@@ -8,7 +8,9 @@
   (teacher.capture=during, the default);
 - for every --dtypes (float32 and bfloat16 by default), all of the above, then the teacher's throughput side by side;
 - with --vllm, the vLLM teacher (teacher.engine=vllm: vLLM's replies, then the target's prefill capture) on the same
-  prompts: reply tokens/s against HF continuous batching, with features against the HF teacher, identical replies.
+  prompts: reply tokens/s against HF continuous batching, with features against the HF teacher, identical replies;
+  and the engine teacher (teacher.capture=engine: replies and features both from one vLLM engine, its
+  extract_hidden_states), with features against the HF teacher, and its features against the HF capture's.
 
     python scripts/bench_teacher.py [--prompts 128] [--baseline-prompts 16] [--max-new-tokens 96]
         [--dtypes float32 bfloat16] [--batch-size 32] [--vllm]
@@ -161,7 +163,7 @@ def vllm_side_by_side(args, cfg, target, prompts: list[list[int]], layer_ids: li
 
     from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
     from dflash_pipeline.models.target import target_folder
-    from dflash_pipeline.models.vllm_engine import VLLMEngine
+    from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, check_capture_layers
 
     log_file = Path(tempfile.gettempdir()) / "bench_teacher_vllm.log"
     t0 = time.perf_counter()
@@ -178,14 +180,42 @@ def vllm_side_by_side(args, cfg, target, prompts: list[list[int]], layer_ids: li
     add_features(target, samples, layer_ids, cfg)
     capture_s = time.perf_counter() - t0
     judge = ExactnessJudge(target.model, cfg.eval.near_tie_tolerance)
-    kinds = [judge.classify(p, ref, got).kind for p, ref, got in zip(prompts, hf_run[0], replies)]
+
+    def same(got: list[list[int]]) -> str:
+        kinds = [judge.classify(p, ref, g).kind for p, ref, g in zip(prompts, hf_run[0], got)]
+        return (f"replies identical to HF {kinds.count(IDENTICAL)}/{len(kinds)}, near-ties {kinds.count(NEAR_TIE)}, "
+                f"other {len(kinds) - kinds.count(IDENTICAL) - kinds.count(NEAR_TIE)}")
+
     tokens = sum(map(len, replies))
     print(f"vLLM ({target.dtype}, engine start {start_s:.0f} s not counted; log {log_file}): replies "
           f"{tokens / gen_s:.1f} tok/s ({tokens / gen_s / (sum(map(len, hf_run[0])) / hf_run[1]):.2f}x HF continuous "
           f"batching); with the features' prefill capture {tokens / (gen_s + capture_s):.1f} tok/s = "
-          f"{tokens / (gen_s + capture_s) / hf_teacher_rate:.2f}x the HF teacher; replies identical to HF "
-          f"{kinds.count(IDENTICAL)}/{len(kinds)}, near-ties {kinds.count(NEAR_TIE)}, other "
-          f"{len(kinds) - kinds.count(IDENTICAL) - kinds.count(NEAR_TIE)}")
+          f"{tokens / (gen_s + capture_s) / hf_teacher_rate:.2f}x the HF teacher; {same(replies)}")
+
+    # teacher.capture=engine: one engine writes the replies, then captures the features of the finished sequences
+    try:
+        check_capture_layers(layer_ids, target.num_layers)
+    except VLLMError as err:
+        print(f"vLLM engine teacher (teacher.capture=engine) not measured: {err}")
+        return
+    with VLLMEngine(cfg.cache_dir, target_folder(cfg.target, cfg.cache_dir), target.dtype,
+                    target.config.max_position_embeddings, threads=torch.get_num_threads(),
+                    max_num_seqs=args.batch_size, log_file=log_file, capture_layers=layer_ids) as engine:
+        engine.generate(prompts[:2], 4, sorted(target.eos_ids), batch=True)  # warm-up
+        t0 = time.perf_counter()
+        own = engine.generate(prompts, args.max_new_tokens, sorted(target.eos_ids), batch=True)["outputs"]
+        own_gen_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        features, _ = engine.capture([p + r for p, r in zip(prompts, own)])
+        own_capture_s = time.perf_counter() - t0
+    worst = max(((f.float() - s["features"].float()).norm() / s["features"].float().norm()).item()
+                for f, s, a, b in zip(features, samples, own, replies) if a == b)  # where both wrote the same reply
+    tokens = sum(map(len, own))
+    print(f"vLLM engine teacher (teacher.capture=engine, {target.dtype}): replies {tokens / own_gen_s:.1f} tok/s, "
+          f"capture {own_capture_s:.1f} s = {100 * own_capture_s / (own_gen_s + own_capture_s):.0f}%; with features "
+          f"{tokens / (own_gen_s + own_capture_s):.1f} tok/s = "
+          f"{tokens / (own_gen_s + own_capture_s) / hf_teacher_rate:.2f}x the HF teacher; {same(own)}; features "
+          f"against the HF capture: largest relative difference {worst:.1e}")
 
 
 if __name__ == "__main__":

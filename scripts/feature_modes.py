@@ -19,47 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import time
-from datetime import datetime
 from pathlib import Path
 
 from dflash_pipeline.data.shards import TeacherDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import BENCHMARK_COLUMNS, benchmark_cells, chain_scores, tau_cell  # noqa: E402
+from bench_common import BENCHMARK_COLUMNS, benchmark_cells, chain_scores, run, tau_cell, train_seconds  # noqa: E402
 
 RECIPE = ["experiment=smollm2_quick", "data.num_samples=272", "teacher.prefill_samples=672", "trainer.steps=800",
           "eval.num_prompts=40", "eval.online_prompts=2", "eval.max_new_tokens=64", "eval.cost_repeats=2",
           "eval.baseline_dtypes=[]", "eval.num_threads=2"]
-LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
-
-
-def run(cmd: list[str]) -> dict:
-    """Run a command to the end; its wall seconds and its peak resident memory (os.wait4: this child's own)."""
-    print("$", " ".join(cmd), flush=True)
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"error: {cmd[0]} failed (exit {os.waitstatus_to_exitcode(status)}); its log is in its run folder")
-    return {"seconds": time.perf_counter() - start, "max_rss_gib": usage.ru_maxrss / 2**20}
-
-
-def stamp(line: str) -> datetime:
-    return datetime.strptime(LOG_TIME.match(line)[1], "%Y-%m-%d %H:%M:%S,%f")
-
-
-def train_seconds(log: Path) -> float:
-    """Wall seconds of the train stage in a run's log: from its first line to the export."""
-    lines = [l for l in log.read_text().splitlines() if LOG_TIME.match(l)]
-    start = next(l for l in lines if "] - train: " in l)
-    end = next(l for l in lines if "exported the trained drafter" in l)
-    return (stamp(end) - stamp(start)).total_seconds()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/feature_modes")

@@ -82,6 +82,11 @@ def test_producer_settings_that_cannot_work_are_refused_in_one_line(teacher):
         check_engine(make_config("teacher.capture=engine"))
     with pytest.raises(DatasetError, match="use teacher.capture=separate"):
         check_engine(make_config("teacher.capture=engine", "teacher.engine=vllm", "teacher.topk_logprobs=4"))
+    from dflash_pipeline.models.vllm_engine import VLLMError, check_capture_layers
+
+    check_capture_layers([1, 3], 6)
+    with pytest.raises(VLLMError, match="include the last layer \\(5\\), whose state vLLM captures before the final"):
+        check_capture_layers([1, 5], 6)  # vLLM's last state is the layer's output before the norm
 
 
 def test_spool_refuses_other_runs_and_says_who_is_missing(tmp_path):
