@@ -610,6 +610,7 @@ def register() -> None:
         ("teacher", TeacherConfig),
         ("drafter", DrafterConfig),
         ("trainer", TrainerConfig),
+        ("producer", ProducerConfig),
         ("eval", EvalConfig),
         ("logger", LoggerConfig),
         *COMPONENT_CONFIGS.items(),

@@ -11,6 +11,7 @@ already spooled; a trainer killed and resumed reads from its checkpoint's step, 
 
 Run it with the trainer's overrides (`dflash-producer experiment=... hydra.run.dir=<the trainer's run dir>`), on the
 engine's machine with the spool on a shared filesystem; or let the trainer start it (producer.launch=true).
+ProducerFeed is the trainer's side of the same spool.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.data.shards import FEATURE_DTYPES, DatasetError, TeacherDataset
 from dflash_pipeline.data.splits import split_heldout, step_batch
-from dflash_pipeline.data.spool import Spool
+from dflash_pipeline.data.spool import Spool, SpoolError
 from dflash_pipeline.models.vllm_engine import VLLMError
 from dflash_pipeline.runtime.progress import Progress
 
@@ -125,6 +126,50 @@ def launch(cfg: DictConfig, run_dir: str | Path, folder: Path, data_dir: Path) -
         return subprocess.Popen([sys.executable, "-m", "dflash_pipeline.data.producer", str(config), str(run_dir),
                                  str(data_dir)],
                                 stdout=out, stderr=subprocess.STDOUT)
+
+
+class ProducerFeed:
+    """The trainer's side: the drafter's features from the producer's spool (trainer.features=producer). Each
+    process reads its own slots of each step's global batch and tells the producer which step it is at; the main
+    process starts the producer itself with producer.launch=true."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, data, heldout: list[int]):
+        from accelerate import PartialState
+
+        state = PartialState()
+        self.rank, self.reading, self.heldout = state.process_index, None, heldout
+        self.spool = spool_of(cfg, run_dir, data)
+        self.producer = None
+        if cfg.producer.launch and state.is_main_process:
+            self.producer = launch(cfg, run_dir, self.spool.folder, data.folder)
+            log.info("started a %s feature producer (pid %d, log %s)", cfg.producer.engine, self.producer.pid,
+                     self.spool.folder / "producer.log")
+        else:
+            log.info("features from the producer spooling to %s (start it with this run's overrides: dflash-producer)",
+                     self.spool.folder)
+
+    def features(self, indices: list[int], step: int | None, slot0: int) -> list[torch.Tensor]:
+        if step is None:  # held-out: their slots in the held-out file
+            return self.spool.read(self.spool.heldout_file, [self.heldout.index(i) for i in indices], indices,
+                                   self._check_producer)
+        if step != self.reading:
+            self.spool.mark_read(self.rank, step)
+            self.reading = step
+        return self.spool.read(self.spool.step_file(step), list(range(slot0, slot0 + len(indices))), indices,
+                               self._check_producer)
+
+    def _check_producer(self) -> None:
+        if self.producer is not None and self.producer.poll() not in (None, 0):
+            raise SpoolError(f"the feature producer this trainer started exited with code {self.producer.returncode}: "
+                             f"see {self.spool.folder / 'producer.log'}")
+
+    def close(self) -> None:
+        """Stop the producer this process started, and drop the spooled steps the last checkpoint has passed."""
+        if self.producer is not None and self.producer.poll() is None:
+            self.producer.terminate()
+            self.producer.wait()
+        if self.rank == 0:
+            self.spool.drop_before(self.spool.committed())
 
 
 def main() -> None:

@@ -23,6 +23,8 @@ With "capture_layers" (vLLM's auxiliary layer ids: the project's tapped layer i 
 FileCapture, a KV connector defined here, copies a finished request's states to its file on the CPU (vLLM's example
 connector stages them through pinned CUDA memory, which the CPU build does not have). The engine core then runs
 in-process, so that the connector registered here is the one it builds. Only requests that name a file are written.
+The states live in cache blocks beside the KV cache, so with prefix caching a capture of a sequence the engine has
+just generated reuses the states its generation computed: only the last, partial block is computed again.
 Speculative counters are the deltas of LLM.get_metrics() over a call: drafts, draft tokens, accepted tokens and
 accepted tokens per draft position (vLLM's spec_decode_* counters).
 
@@ -164,7 +166,9 @@ def main() -> None:
         kwargs["kv_transfer_config"] = {"kv_connector": "FileCapture", "kv_role": "kv_producer",
                                         "kv_connector_extra_config": {"allow_custom_save_path": True,
                                                                       "use_synchronization_lock": False}}
-        kwargs["enable_prefix_caching"] = False  # every prompt token's states computed by this request
+        # prefix caching on: the states sit in cache blocks like the KV, so a capture of a sequence the engine has
+        # just generated reads the states generation computed, and only its last, partial block is computed again
+        kwargs["enable_prefix_caching"] = True
     llm = LLM(**kwargs)
     replies.write(json.dumps({"ready": True, "version": vllm.__version__, "checks": checks, "repaired": repaired})
                   + "\n")

@@ -5,6 +5,7 @@ embeddings and head only).
 
     python scripts/bench_feed.py --out runs/bench_feed [--samples 64] [--steps 60] [-- extra Hydra overrides]
 
+The recipe is the main job's (experiment=smollm2_quick) with regenerated replies only (teacher.mode=regenerate).
 The teacher datasets come from vLLM (teacher.engine=vllm): one with bf16 features from its own capture
 (teacher.capture=engine), one with tokens only (teacher.feature_dtype=none). Each mode then trains --steps steps
 (`dflash-train`, one process; the producer in a process of its own beside it, producer.launch=false, so each
@@ -33,7 +34,8 @@ from dflash_pipeline.models.precision import machine
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run  # noqa: E402
 
-RECIPE = ["experiment=smollm2_quick", "logger=none"]
+# the main job's target and drafter; regenerated replies only (vLLM's capture does not prefill the dataset's own)
+RECIPE = ["experiment=smollm2_quick", "teacher.mode=regenerate", "logger=none"]
 
 
 def folder_bytes(folder: Path) -> int:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
 from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch, step_seed
-from dflash_pipeline.data.producer import launch, spool_of
+from dflash_pipeline.data.producer import ProducerFeed
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
@@ -151,49 +151,6 @@ class DrafterWithSelector(torch.nn.Module):
 
     def fsdp_units(self) -> list[torch.nn.Module]:
         return self.drafter.fsdp_units()
-
-
-class ProducerFeed:
-    """The drafter's features from a feature producer's spool (trainer.features=producer, data/producer.py): each
-    process reads its own slots of each step's global batch, and tells the producer which step it is at."""
-
-    def __init__(self, cfg: DictConfig, run_dir: Path, data, heldout: list[int]):
-        from accelerate import PartialState
-
-        state = PartialState()
-        self.rank, self.reading, self.heldout = state.process_index, None, heldout
-        self.spool = spool_of(cfg, run_dir, data)
-        self.producer = None
-        if cfg.producer.launch and state.is_main_process:
-            self.producer = launch(cfg, run_dir, self.spool.folder, data.folder)
-            log.info("started a %s feature producer (pid %d, log %s)", cfg.producer.engine, self.producer.pid,
-                     self.spool.folder / "producer.log")
-        else:
-            log.info("features from the producer spooling to %s (start it with this run's overrides: dflash-producer)",
-                     self.spool.folder)
-
-    def features(self, indices: list[int], step: int | None, slot0: int) -> list[torch.Tensor]:
-        if step is None:  # held-out: their slots in the held-out file
-            return self.spool.read(self.spool.heldout_file, [self.heldout.index(i) for i in indices], indices,
-                                   self._check_producer)
-        if step != self.reading:
-            self.spool.mark_read(self.rank, step)
-            self.reading = step
-        return self.spool.read(self.spool.step_file(step), list(range(slot0, slot0 + len(indices))), indices,
-                               self._check_producer)
-
-    def _check_producer(self) -> None:
-        if self.producer is not None and self.producer.poll() not in (None, 0):
-            raise TrainError(f"the feature producer this trainer started exited with code {self.producer.returncode}: "
-                             f"see {self.spool.folder / 'producer.log'}")
-
-    def close(self) -> None:
-        """Stop the producer this process started, and drop the spooled steps the last checkpoint has passed."""
-        if self.producer is not None and self.producer.poll() is None:
-            self.producer.terminate()
-            self.producer.wait()
-        if self.rank == 0:
-            self.spool.drop_before(self.spool.committed())
 
 
 def drafter_of(model) -> DFlashDrafter:
