@@ -87,7 +87,7 @@ def run_producer(cfg: DictConfig, run_dir: str | Path, data_dir: str | Path | No
     train_idx, heldout_idx = split_heldout(data.ids, t.heldout_samples, t.train_samples)
     spool = spool_of(cfg, run_dir, data)
     dtype = FEATURE_DTYPES[str(cfg.producer.dtype)]
-    start = spool.committed()
+    start = spool.slowest_reader()
     spool.heartbeat(start)
     log.info("producer: %s features of %d steps x %d sequences (taps %s) -> %s, from step %d",
              cfg.producer.engine, t.steps, t.batch_sequences, data.layer_ids, spool.folder, start)
@@ -100,19 +100,18 @@ def run_producer(cfg: DictConfig, run_dir: str | Path, data_dir: str | Path | No
         bar = stack.enter_context(Progress("producer", t.steps, "step", initial=start))
         if not spool.heldout_file.is_file():
             spool.write(spool.heldout_file, heldout_idx, [f.to(dtype) for f in features(tokens(heldout_idx))])
-        for step in range(start, t.steps):
-            if not spool.step_file(step).is_file():
-                spool.wait_for_room(step, cfg.producer.capacity, on_wait=spool.heartbeat)
-                indices = step_batch(train_idx, step, t.batch_sequences, cfg.seed)
-                began = time.perf_counter()
-                out = features(tokens(indices))
-                spool.write(spool.step_file(step), indices, [f.to(dtype) for f in out])
-                bar.add("tok", sum(len(f) for f in out))
-                log.debug("producer: step %d in %.2f s", step, time.perf_counter() - began)
-            spool.heartbeat(step + 1)
-            bar.update()
+        while (step := spool.wait_for_room(cfg.producer.capacity, t.steps,
+                                           on_wait=lambda: spool.heartbeat(spool.slowest_reader()))) is not None:
+            indices = step_batch(train_idx, step, t.batch_sequences, cfg.seed)
+            began = time.perf_counter()
+            out = features(tokens(indices))
+            spool.write(spool.step_file(step), indices, [f.to(dtype) for f in out])
+            spool.heartbeat(step)
+            bar.add("tok", sum(len(f) for f in out))
+            bar.update(max(0, step + 1 - bar.n))  # the bar shows the furthest step written
+            log.debug("producer: step %d in %.2f s", step, time.perf_counter() - began)
     spool.heartbeat(t.steps, done=True)
-    log.info("producer: every step spooled at %s", spool.folder)
+    log.info("producer: the trainer's last checkpoint is step %d: done (%s)", t.steps, spool.folder)
     return spool.folder
 
 
@@ -137,7 +136,7 @@ class ProducerFeed:
         from accelerate import PartialState
 
         state = PartialState()
-        self.rank, self.reading, self.heldout = state.process_index, None, heldout
+        self.rank, self.reading, self.heldout, self.steps = state.process_index, None, heldout, cfg.trainer.steps
         self.spool = spool_of(cfg, run_dir, data)
         self.producer = None
         if cfg.producer.launch and state.is_main_process:
@@ -164,10 +163,14 @@ class ProducerFeed:
                              f"see {self.spool.folder / 'producer.log'}")
 
     def close(self) -> None:
-        """Stop the producer this process started, and drop the spooled steps the last checkpoint has passed."""
+        """Let the producer this process started end (it does once the last checkpoint is the last step; stopped
+        otherwise), and drop the spooled steps the last checkpoint has passed."""
         if self.producer is not None and self.producer.poll() is None:
-            self.producer.terminate()
-            self.producer.wait()
+            try:
+                self.producer.wait(timeout=60 if self.spool.committed() >= self.steps else 0)
+            except subprocess.TimeoutExpired:
+                self.producer.terminate()
+                self.producer.wait()
         if self.rank == 0:
             self.spool.drop_before(self.spool.committed())
 

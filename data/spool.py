@@ -6,13 +6,14 @@ Layout (every file written under a temporary name and renamed when complete, so 
                                the dtype; written by whoever comes first, checked by everyone after
   heldout.safetensors          features of the held-out sequences (index int64 (n,), features.<j> (T_j, taps*H))
   step-0000123.safetensors     features of the global batch of step 123, slot by slot (index, features.<slot>)
-  read-<rank>.json             the next step trainer rank <rank> reads: the producer stays at most
-                               producer.capacity steps ahead of the slowest rank (backpressure)
-  committed.json               the step of the trainer's last checkpoint: a resumed trainer starts there, so the
-                               producer deletes only the steps before it
-  producer.json                the producer's heartbeat (pid, host, step, time); `done` when it has written every step
+  read-<rank>.json             the step trainer rank <rank> reads: the producer keeps the steps from the slowest
+                               rank's on, at most producer.capacity of them (backpressure), and deletes the others
+  committed.json               the step of the trainer's last checkpoint (the position it resumes from); the
+                               producer ends once it reaches trainer.steps
+  producer.json                the producer's heartbeat (pid, host, step, time); `done` when it has ended
 A step file holds every slot of the global batch; each rank reads its own slots only, so ranks see disjoint samples.
-Disk held at most: (producer.capacity + trainer.save_every) step files.
+A trainer resumed from a checkpoint marks the checkpoint's step as the one it reads, and the producer writes the
+steps from there again (deleted ones included): the spool holds at most producer.capacity step files.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class Spool:
         return self._mark("committed.json") or 0
 
     def slowest_reader(self) -> int:
-        """The lowest next step any trainer rank reads (the committed step before a trainer has read)."""
+        """The lowest step any trainer rank reads (the last checkpoint's step before a trainer has read)."""
         marks = [json.loads(p.read_text())["step"] for p in self.folder.glob("read-*.json")]
         return min(marks) if marks else self.committed()
 
@@ -79,20 +80,30 @@ class Spool:
         write_json(self.folder / "producer.json", {"pid": os.getpid(), "host": socket.gethostname(), "step": step,
                                                    "time": time.time(), "done": done})
 
-    def wait_for_room(self, step: int, capacity: int, on_wait=None) -> None:
-        """Block while `step` is more than `capacity` steps ahead of the slowest trainer rank; drop the step files
-        before the trainer's last checkpoint while waiting."""
-        start = time.monotonic()
-        while True:
-            self.drop_before(self.committed())
-            if step < self.slowest_reader() + capacity:
-                return
-            if on_wait is not None:
-                on_wait(step)
+    def next_step(self, capacity: int, steps: int) -> int | None:
+        """The step to write next: the first missing one of the `capacity` steps from the slowest rank's; None when
+        they are all there (the producer waits). Steps before the slowest rank's are deleted first."""
+        low = self.slowest_reader()
+        self.drop_before(low)
+        return next((s for s in range(low, min(low + capacity, steps)) if not self.step_file(s).is_file()), None)
+
+    def wait_for_room(self, capacity: int, steps: int, on_wait=None) -> int | None:
+        """next_step, waiting (calling on_wait) while there is none, until the trainer's last checkpoint reaches
+        `steps` (then None: the run is over); a trainer silent for wait_s is an error."""
+        start = beat = time.monotonic()
+        while self.committed() < steps:
+            step = self.next_step(capacity, steps)
+            if step is not None:
+                return step
+            if on_wait is not None and time.monotonic() - beat > 1.0:
+                on_wait()
+                beat = time.monotonic()
             if time.monotonic() - start > self.wait_s:
-                raise SpoolError(f"no trainer has read from {self.folder} for {self.wait_s:.0f} s (producer at step "
-                                 f"{step}): is it running? (raise producer.wait_s for long pauses)")
+                raise SpoolError(f"no trainer has read from {self.folder} for {self.wait_s:.0f} s: is it running? "
+                                 "(raise producer.wait_s above the trainer's longest pause, e.g. its held-out "
+                                 "evaluation)")
             time.sleep(POLL_S)
+        return None
 
     def drop_before(self, step: int) -> None:
         for path in self.folder.glob("step-*.safetensors"):
@@ -110,7 +121,14 @@ class Spool:
         """The features of `slots` of a step (or held-out) file, waiting for it (calling `check` while it waits,
         which may raise: e.g. a producer this process started has died); checks that they are of the samples
         `indices` (the trainer's own order)."""
-        self._wait_for(path, check)
+        while True:
+            self._wait_for(path, check)
+            try:
+                return self._read(path, slots, indices)
+            except FileNotFoundError:  # deleted between the look and the open (a producer going back): wait again
+                continue
+
+    def _read(self, path: Path, slots: list[int], indices: list[int]) -> list[torch.Tensor]:
         try:
             with safe_open(path, framework="pt") as f:
                 stored = f.get_tensor("index")
@@ -123,13 +141,16 @@ class Spool:
             raise SpoolError(f"{path} is not a readable spool file ({e}): delete it and restart the producer") from e
 
     def _wait_for(self, path: Path, check=None) -> None:
+        """Wait for `path`; a producer whose heartbeat is older than wait_s (none: since the wait began) is an
+        error."""
         start = time.monotonic()
         while not path.is_file():
             if check is not None:
                 check()
             beat = self.folder / "producer.json"
             last = json.loads(beat.read_text())["time"] if beat.is_file() else None
-            quiet = time.time() - last if last is not None else time.monotonic() - start
+            waited = time.monotonic() - start  # at least wait_s: a new producer's first heartbeat may be coming
+            quiet = waited if last is None else min(waited, time.time() - last)
             if quiet > self.wait_s:
                 raise SpoolError(f"no features at {path} and no word from a producer for {quiet:.0f} s: start "
                                  "`dflash-producer` with this run's overrides (README, 'Features from an engine'), "

@@ -10,8 +10,9 @@ covers the prompt and each decode step its token (a finished row stays one extra
 bit-identical however samples are batched, `during`'s match them to float rounding (tested). `during` is the default
 because it spares that whole extra pass, while keeping the taps adds little to each step (scripts/bench_teacher.py;
 the figures: docs/results/benchmarks.md). `engine` (with teacher.engine=vllm): vLLM writes the replies and then
-captures the features itself, one prefill of each finished sequence in the same engine (models/vllm_engine.py
-capture), so the target runs only in vLLM; this process loads its tokenizer, config, embeddings and head.
+captures the features itself, one pass of each finished sequence through the same engine (models/vllm_engine.py
+capture) that reads the states its generation cached, so the target runs only in vLLM; this process loads its
+tokenizer, config, embeddings and head.
 
 teacher.mode=prefill takes the dataset's own assistant replies instead: one prefill per sequence gives the features
 and, at every token, the target's greedy choice after the dataset's prefix, which becomes that token's label

@@ -29,7 +29,7 @@ from dflash_pipeline.conf.schema import check_config, register
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-COMMAND = re.compile(r"^(dflash-(pipeline|teacher|train|eval|compare)|python3? (scripts/\S+\.py|-m dflash_pipeline\.)"
+COMMAND = re.compile(r"^(dflash-(pipeline|teacher|train|eval|producer|compare)|python3? (scripts/\S+\.py|-m dflash_pipeline\.)"
                      r"|accelerate launch)(\s|$)")
 HYDRA_MODULES = {"dflash_pipeline.data", "dflash_pipeline.train"}  # the modules `accelerate launch -m` runs
 
