@@ -5,9 +5,10 @@ The producer reads the teacher dataset's tokens, works out the training run's sa
 function of seed and step the trainer uses: data/splits.py step_batch), and writes, step after step, the tapped
 layers' features of each step's sequences: vLLM's extract_hidden_states (producer.engine=vllm,
 models/vllm_engine.py capture) or the transformers target's prefill capture (hf, the teacher's `separate` capture).
-It keeps at most producer.capacity steps ahead of the slowest trainer rank, and deletes steps the trainer has
-checkpointed past. Killed and started again, it goes on from the trainer's last checkpoint, skipping the steps
-already spooled; a trainer killed and resumed reads from its checkpoint's step, which the spool still holds.
+It keeps the producer.capacity steps from the slowest trainer rank's on and deletes the steps before it. Killed
+and started again, it goes on from the slowest rank's step, skipping the steps already spooled; a trainer killed and
+resumed marks its checkpoint's step as the one it reads, and the producer writes the steps from there again. It
+ends once the trainer's last checkpoint is the last step.
 
 Run it with the trainer's overrides (`dflash-producer experiment=... hydra.run.dir=<the trainer's run dir>`), on the
 engine's machine with the spool on a shared filesystem; or let the trainer start it (producer.launch=true).
@@ -164,7 +165,7 @@ class ProducerFeed:
 
     def close(self) -> None:
         """Let the producer this process started end (it does once the last checkpoint is the last step; stopped
-        otherwise), and drop the spooled steps the last checkpoint has passed."""
+        otherwise), and drop the spooled steps the last checkpoint has passed (at the end: all of them)."""
         if self.producer is not None and self.producer.poll() is None:
             try:
                 self.producer.wait(timeout=60 if self.spool.committed() >= self.steps else 0)
