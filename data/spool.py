@@ -37,6 +37,9 @@ class SpoolError(DatasetError):
 
 
 class Spool:
+    """One spool folder, for either side: the producer's writes and waits, the trainer's reads and marks. `key` is
+    what the run's features are of (refused when the folder holds another's); wait_s, how long a side waits."""
+
     def __init__(self, folder: str | Path, key: dict, wait_s: float):
         self.folder, self.key, self.wait_s = Path(folder), key, wait_s
         self.folder.mkdir(parents=True, exist_ok=True)
