@@ -50,11 +50,6 @@ def spool_of(cfg: DictConfig, run_dir: str | Path, data: TeacherDataset) -> Spoo
     return Spool(folder if folder.is_absolute() else Path(run_dir) / folder, key, p.wait_s)
 
 
-def teacher_dir(cfg: DictConfig, run_dir: str | Path) -> Path:
-    """The teacher dataset the drafter stage reads (trainer.data_dir, else the run's teacher stage)."""
-    return Path(cfg.trainer.data_dir or Path(run_dir) / cfg.teacher.out_dir)
-
-
 @contextlib.contextmanager
 def feature_engine(cfg: DictConfig, layer_ids: list[int], log_file: Path):
     """A function sequences -> their features (T, taps*H) each: vLLM's capture, or the transformers target's."""
@@ -79,11 +74,11 @@ def feature_engine(cfg: DictConfig, layer_ids: list[int], log_file: Path):
             target.model, seqs, layer_ids, pad_id=pad, max_tokens=cfg.teacher.capture_batch_tokens)]
 
 
-def run_producer(cfg: DictConfig, run_dir: str | Path, data_dir: str | Path | None = None) -> Path:
+def run_producer(cfg: DictConfig, run_dir: str | Path, data_dir: str | Path) -> Path:
     """Spool the features of every training step of `cfg` (and of its held-out sequences) from the teacher dataset
-    at `data_dir` (default: the one the drafter stage of `run_dir` reads); returns the spool."""
+    at `data_dir` (the one the drafter stage of `run_dir` reads); returns the spool."""
     check_config(cfg)
-    data = TeacherDataset(data_dir or teacher_dir(cfg, run_dir))
+    data = TeacherDataset(data_dir)
     t = cfg.trainer
     train_idx, heldout_idx = split_heldout(data.ids, t.heldout_samples, t.train_samples)
     spool = spool_of(cfg, run_dir, data)

@@ -333,7 +333,7 @@ def load_head(folder: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
     weight = found.get("head", found["embed"])  # not stored: tied, the head reads the embeddings' own weight
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")  # no init: the global RNG
     head.weight = torch.nn.Parameter(weight, requires_grad=False) if "head" in found else embed.weight  # stays put
-    return TargetHead(config, generation, embed, head).eval().requires_grad_(False)
+    return TargetHead(config, generation, embed, head)
 
 
 def target_ref(cfg) -> str:
@@ -352,12 +352,8 @@ def load_target(cfg, cache_dir: str | Path, body: bool = True) -> Target:
     dtype = torch_dtype(name)
     ref = target_ref(cfg)
     if not body:
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
         model = load_head(target_folder(cfg, cache_dir), dtype, trust_remote_code=cfg.trust_remote_code)
-        return Target(model=model, tokenizer=tokenizer, ref=ref, numerics={"dtype": name, **why, "machine": machine()},
-                      rollback=str(cfg.get("rollback", "record")))
-    if cfg.kind == "tiny":
+    elif cfg.kind == "tiny":
         special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         model = build_tiny(cfg, len(tokenizer), special).to(dtype)
     else:
@@ -375,10 +371,11 @@ def load_target(cfg, cache_dir: str | Path, body: bool = True) -> Target:
                               "the folder does not hold this causal LM's checkpoint")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    try:
-        check_supported(model)
-    except CacheError as e:
-        raise TargetError(f"target {ref!r} is not supported: {e}") from e
+    if body:  # the head alone decodes nothing: no cache to support
+        try:
+            check_supported(model)
+        except CacheError as e:
+            raise TargetError(f"target {ref!r} is not supported: {e}") from e
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, ref=ref, numerics={"dtype": name, **why, "machine": machine()},
                   rollback=str(cfg.get("rollback", "record")))
