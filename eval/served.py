@@ -178,18 +178,23 @@ class ServedEval:
         common = dict(model=target_dir, dtype=dtype, max_model_len=max_model_len, threads=threads, log_file=log_file,
                       repair=repair)
         self.block_size, self.drafter_dir = block_size, drafter_dir
-        self.plain = VLLMEngine(cache_dir, **common) if plain else None
-        try:
+        self.plain = VLLMEngine(cache_dir, wait=False, **common) if plain else None
+        try:  # both engines build side by side
             self.spec = VLLMEngine(cache_dir, speculative=speculative_config(drafter_dir, block_size,
-                                                                             draft_sample_method), **common)
+                                                                             draft_sample_method), wait=False, **common)
+            for engine in (self.plain, self.spec):
+                if engine is not None:
+                    engine.ready()
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        for engine in (self.plain, getattr(self, "spec", None)):
-            if engine is not None:
-                engine.close()
+        engines = [e for e in (self.plain, getattr(self, "spec", None)) if e is not None]
+        for engine in engines:  # both shut down side by side
+            engine.close(wait=False)
+        for engine in engines:
+            engine.close()
 
     def run_sampled(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float,
                     seeds: list[int], batch: int, label: str = "") -> dict:

@@ -43,13 +43,15 @@ def vllm_python(cache_dir: str | Path) -> Path:
 
 
 def worker_env(venv: Path, threads: int) -> dict:
-    """The environment vLLM's CPU docs ask for: tcmalloc + Intel OpenMP preloaded, OpenMP bound to `threads` cores,
-    no core reserved for the scheduler (on 2 cores a reserved one halves the engine)."""
+    """The environment vLLM's CPU docs ask for: tcmalloc + Intel OpenMP preloaded, OpenMP bound to `threads` cores
+    (cores 0..threads-1, unless VLLM_CPU_OMP_THREADS_BIND is set: e.g. `nobind` where several engines share the
+    machine), no core reserved for the scheduler (on 2 cores a reserved one halves the engine)."""
     env = dict(os.environ)
     preload = [p for p in TCMALLOC if os.path.isfile(p)][:1]
     preload += glob.glob(str(venv / "lib" / "libiomp5.so"))[:1]
     env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
-    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
+    env["OMP_NUM_THREADS"] = str(threads)
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: ample for the short evals here
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -93,11 +95,16 @@ class VLLMEngine:
     speculative: vLLM's speculative_config (None: plain decoding); repair: mend the engine code the worker's checks
     find wrong (models/vllm_worker.py); capture_layers: the project's tapped layer ids whose states `capture` returns
     (vLLM's extract_hidden_states; no speculative drafter then). After start: .version, .checks ({name: right here}),
-    .repaired ([names])."""
+    .repaired ([names]).
+
+    wait=False returns as soon as the worker process is started; `ready()` then waits until its engine is built.
+    Engines started that way build side by side (the served eval's plain and speculative engines: their start-up,
+    mostly single-threaded imports and loading, takes about half the time on two cores)."""
 
     def __init__(self, cache_dir: str | Path, model: str | Path, dtype: str, max_model_len: int,
                  speculative: dict | None = None, threads: int = 1, log_file: Path | None = None,
-                 max_num_seqs: int = 64, repair: bool = False, capture_layers: list[int] | None = None):
+                 max_num_seqs: int = 64, repair: bool = False, capture_layers: list[int] | None = None,
+                 wait: bool = True):
         python = vllm_python(cache_dir)
         if capture_layers and speculative:
             raise VLLMError("a vLLM engine either captures features or decodes with a drafter, not both")
@@ -114,9 +121,19 @@ class VLLMEngine:
                                      env=worker_env(python.parent.parent, threads))
         if log_file:
             stderr.close()
-        ready = self._read()  # {"ready": true, ...} once the engine is built
-        self.version, self.checks, self.repaired = ready.get("version"), ready.get("checks", {}), \
-            ready.get("repaired", [])
+        self.version, self.checks, self.repaired = None, {}, []
+        self._ready = False
+        if wait:
+            self.ready()
+
+    def ready(self) -> VLLMEngine:
+        """Wait until the worker has built its engine (at once when it has); then .version, .checks, .repaired."""
+        if not self._ready:
+            ready = self._read()  # {"ready": true, ...} once the engine is built
+            self.version, self.checks, self.repaired = ready.get("version"), ready.get("checks", {}), \
+                ready.get("repaired", [])
+            self._ready = True
+        return self
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -131,6 +148,7 @@ class VLLMEngine:
                  batch: bool = False, temperature: float = 0.0, seeds: list[int | None] | None = None) -> dict:
         """Replies to `prompts` (token ids in, token ids out): greedy, or sampled at `temperature` with one seed per
         prompt (None: unseeded); see models/vllm_worker.py for the reply."""
+        self.ready()
         self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                                           "stop_token_ids": sorted(stop_token_ids), "batch": batch,
                                           "temperature": temperature, "seeds": seeds}) + "\n")
@@ -143,6 +161,7 @@ class VLLMEngine:
         them to files in a private temporary folder, read here (safetensors) and removed."""
         if not self.capture_layers:
             raise VLLMError("this vLLM engine was started without capture_layers: it captures no features")
+        self.ready()
         with tempfile.TemporaryDirectory(prefix="dflash-capture-") as folder:
             paths = [os.path.join(folder, f"{i}.safetensors") for i in range(len(prompts))]
             self.proc.stdin.write(json.dumps({"op": "capture", "prompts": prompts, "paths": paths}) + "\n")
@@ -157,13 +176,19 @@ class VLLMEngine:
                 out.append(states.reshape(states.shape[0], -1))
             return out, seconds
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    def close(self, wait: bool = True) -> None:
+        """Ask the worker to quit; with wait, until it has (engines closed with wait=False first shut down side by
+        side)."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.close()
+            except OSError:
+                pass
+        if wait:
+            try:
                 self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
 

@@ -17,6 +17,18 @@ os.environ.setdefault("WANDB_MODE", "offline")
 register()
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`, the README's test command) each worker is one of the cores' worth of work: torch and
+    the processes tests start use one thread, and vLLM engines are not pinned to core 0 (where every worker's engine
+    would otherwise meet)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        torch.set_num_threads(1)
+
+
 def make_config(*overrides: str, return_hydra_config: bool = False):
     """Compose conf/config.yaml with experiment=tiny and the given overrides, as the console scripts do."""
     GlobalHydra.instance().clear()
@@ -72,11 +84,24 @@ def run_command(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProce
     return proc
 
 
-def accelerate_launch(n: int, *module_and_args: str) -> list[str]:
-    """`accelerate launch` with n CPU processes (gloo when n > 1): e.g. accelerate_launch(2, "-m", "dflash_pipeline.train", ...)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else []),
-            *module_and_args]
+def free_port() -> int:
+    """A TCP port free on this machine now: each launch its own rendezvous, so launches of parallel test workers
+    (pytest -n) never meet on accelerate's default 29500."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def accelerate_launch(n: int, *module_and_args: str, config_file: Path | None = None) -> list[str]:
+    """`accelerate launch` with n CPU processes (gloo when n > 1): e.g. accelerate_launch(2, "-m", "dflash_pipeline.train", ...).
+    With `config_file`, the launch that config describes (e.g. scripts/accelerate/cpu_2proc_fsdp.yaml)."""
+    how = ["--config_file", str(config_file)] if config_file else [
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        *(["--multi_gpu"] if n > 1 else [])]
+    return [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(n),
+            "--main_process_port", str(free_port()), *module_and_args]
 
 
 def metrics(train_dir: Path) -> list[dict]:

@@ -201,21 +201,55 @@ def test_thinking_template_arguments_reach_the_teacher_and_earlier_reasoning_is_
     assert trained == reply + "6."  # the trained span: the replies only
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_vl", "nemotron_h", "deepseek_v3", "gemma4", "gpt_oss", "gemma2"])
-def test_every_stage_on_the_family(family_dirs, family, tmp_path):
-    """`dflash-pipeline experiment=tiny target=hf target.path=<folder>`, the smoke test of every stage, component
-    and decoding method, on the family: every output exact; tree methods named as not run on recurrent targets; the
-    export's taps, mask id and vocabulary those of the text decoder."""
-    import json
-    import os
-    import subprocess
+# One eval set, one turn, no dtype baselines and one cost pass: what is family-specific in a run is the target's
+# forward, cache and shapes, which one set decodes through; the other sets, MT-Bench's second turn and the timing
+# baselines are the same code on every family (tests/test_pipeline.py runs them in experiment=tiny).
+FAMILY_RUN = ["eval.datasets=[mtbench]", "eval.turns=1", "eval.baseline_dtypes=[]", "eval.cost_repeats=1",
+              "logger=none"]
+# The families vLLM's CPU build serves as DFlash targets (docs/targets.md): gemma4's every-stage run is also served
+# (a DFlash drafter then, since vLLM's CPU build serves DFlashDraftModel, not DFlash2); qwen3 and qwen3_moe serve a
+# drafter alone (every stage is shown on the six families below).
+SERVED = ["qwen3", "qwen3_moe", "gemma4"]
+EVERY_STAGE = ["qwen3_5_vl", "nemotron_h", "deepseek_v3", "gemma4", "gpt_oss", "gemma2"]
+SERVE = ["drafter.conv_kernel_size=0", "eval.served.engine=vllm"]
 
+
+def family_run(family_dirs, family: str, run: Path, *extra: str) -> dict:
+    """`dflash-pipeline experiment=tiny target=hf target.path=<folder> ...` in this process; its eval results."""
+    import json
+
+    from dflash_pipeline.cli.entrypoints import run_stages
+
+    cfg = make_config("target=hf", f"target.path={family_dirs(family)}", *FAMILY_RUN, *extra)
+    out = run_stages(cfg, run, ["teacher", "components", "eval"])
+    return json.loads((out["eval"] / "eval_results.json").read_text())
+
+
+def assert_served_at_parity(results: dict, family: str) -> None:
+    """The served eval ran and the parity gate passed: served outputs exact, the same drafts accepted and rejected
+    as in the own loop."""
+    served = results["served"]
+    assert served["pass"] and served["dtype"] == "float32"
+    for label, r in served["sets"].items():
+        assert r["gate"]["pass"] and not r["wrong"], (family, label)
+        assert r["counters_served"] == r["counters_own"], (family, label)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", EVERY_STAGE)
+def test_every_stage_on_the_family(family_dirs, family, tmp_path):
+    """The smoke test of every stage, component and decoding method (experiment=tiny) on the family: every output
+    exact; tree methods named as not run on recurrent targets; the export's taps, mask id and vocabulary those of the
+    text decoder. On a family vLLM serves, the served eval and its parity gate too."""
+    import json
+
+    from test_served import vllm_missing
+
+    served = family in SERVED
+    if served and vllm_missing():
+        pytest.skip(vllm_missing())
     run = tmp_path / "run"
-    env = dict(os.environ, WANDB_MODE="offline")
-    done = subprocess.run(["dflash-pipeline", "experiment=tiny", "target=hf", f"target.path={family_dirs(family)}",
-                           f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((run / "eval" / "eval_results.json").read_text())
+    results = family_run(family_dirs, family, run, *(SERVE if served else []))
     for method, per in results["methods"].items():
         for ds, r in per.items():
             assert r["exact"] is True and r["mismatches"] == [], (family, method, ds)
@@ -230,6 +264,9 @@ def test_every_stage_on_the_family(family_dirs, family, tmp_path):
     assert export["dflash_config"]["target_layer_ids"] == manifest["layer_ids"] == [1, 3]
     assert export["num_target_layers"] == 6 and export["target_hidden_size"] == 64
     assert export["vocab_size"] == 49152 and 0 <= export["dflash_config"]["mask_token_id"] < 49152
+    assert export["architectures"] == ["DFlashDraftModel" if served else "DFlash2DraftModel"]
+    if served:
+        assert_served_at_parity(results, family)
 
 
 def test_rollback_is_a_decode_setting():
@@ -293,33 +330,18 @@ def test_a_family_whose_cache_is_not_handled_is_refused_at_load(tmp_path):
         load_target(cfg.target, cfg.cache_dir)
 
 
-SERVED = ["qwen3", "qwen3_moe", "gemma4"]  # the families vLLM's CPU build serves as DFlash targets (docs/targets.md)
-
-
-@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in SERVED if f not in EVERY_STAGE])
 def test_served_eval_and_gate_on_the_family(family_dirs, family, tmp_path):
     """Where vLLM's CPU build serves a family as the drafter's target, the served eval runs on it and the parity gate
-    passes: served outputs exact, the same drafts accepted and rejected as in the own loop."""
-    import json
-    import os
-    import subprocess
-
+    passes (gemma4: test_every_stage_on_the_family)."""
     from test_served import vllm_missing
 
     if vllm_missing():
         pytest.skip(vllm_missing())
-    run = tmp_path / "run"
-    done = subprocess.run(["dflash-pipeline", "experiment=tiny", "target=hf", f"target.path={family_dirs(family)}",
-                           f"hydra.run.dir={run}", "eval.methods=[chain]", "pipeline.components=[]",
-                           "drafter.conv_kernel_size=0",  # vLLM's CPU build serves DFlashDraftModel, not DFlash2
-                           "eval.served.engine=vllm"], env=dict(os.environ, WANDB_MODE="offline"),
-                          capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    served = json.loads((run / "eval" / "eval_results.json").read_text())["served"]
-    assert served["pass"] and served["dtype"] == "float32"
-    for label, r in served["sets"].items():
-        assert r["gate"]["pass"] and not r["wrong"], (family, label)
-        assert r["counters_served"] == r["counters_own"], (family, label)
+    results = family_run(family_dirs, family, tmp_path / "run", "eval.methods=[chain]", "pipeline.components=[]",
+                         *SERVE)
+    assert_served_at_parity(results, family)
 
 
 def test_tap_spacing_on_shallow_targets_picks_distinct_layers():

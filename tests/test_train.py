@@ -315,8 +315,7 @@ def test_fsdp_on_two_processes_follows_one_process_resumes_on_another_count_and_
         args = ["-m", "dflash_pipeline.train", "experiment=tiny", f"hydra.run.dir={run_dir}",
                 f"trainer.data_dir={tiny_teacher}", "trainer.eval_every=2", "trainer.save_every=2", *extra]
         fsdp_config = ROOT / "scripts" / "accelerate" / "cpu_2proc_fsdp.yaml"  # the documented CPU FSDP launch
-        run_command([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(fsdp_config),
-                     "--num_processes", str(n), *args] if fsdp else accelerate_launch(n, *args), timeout=300)
+        run_command(accelerate_launch(n, *args, config_file=fsdp_config if fsdp else None), timeout=300)
         return metrics(run_dir / "train")
 
     one = launch(1, tmp_path / "one", "trainer.steps=4", fsdp=False)
