@@ -30,9 +30,10 @@ def follow_umask(path: str | Path) -> None:
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; once the block has written it, it gets its umask mode and replaces
-    `path`. If the block raises, `path` is untouched."""
+    `path`. If the block raises, `path` is untouched. The temporary name is this process's own: processes writing the
+    same file at once (jobs sharing a cache, a spool's two sides, parallel test workers) each replace it whole."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     yield tmp
     follow_umask(tmp)
     os.replace(tmp, path)

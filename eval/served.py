@@ -170,11 +170,12 @@ def gate(own: dict, served: dict, dtype: str, tolerance: float, outputs_ok: bool
 # -- serving -----------------------------------------------------------------------------------------------------
 class ServedEval:
     """vLLM engines on the target (plain, and with the exported drafter), open for every eval set of a run. At
-    temperature > 0 only the speculative engine runs (plain=False)."""
+    temperature > 0 only the speculative engine runs (plain=False). wait=False returns while the engines build (the
+    first request waits for them): several ServedEvals then build side by side."""
 
     def __init__(self, cache_dir, target_dir: Path, drafter_dir: Path, dtype: str, block_size: int,
                  max_model_len: int, threads: int, log_file: Path, plain: bool = True,
-                 draft_sample_method: str = "greedy", repair: bool = False):
+                 draft_sample_method: str = "greedy", repair: bool = False, wait: bool = True):
         common = dict(model=target_dir, dtype=dtype, max_model_len=max_model_len, threads=threads, log_file=log_file,
                       repair=repair)
         self.block_size, self.drafter_dir = block_size, drafter_dir
@@ -182,7 +183,7 @@ class ServedEval:
         try:  # both engines build side by side
             self.spec = VLLMEngine(cache_dir, speculative=speculative_config(drafter_dir, block_size,
                                                                              draft_sample_method), wait=False, **common)
-            for engine in (self.plain, self.spec):
+            for engine in (self.plain, self.spec) if wait else ():
                 if engine is not None:
                     engine.ready()
         except BaseException:

@@ -426,6 +426,23 @@ def fsdp_worker(rank: int, world: int, args: argparse.Namespace, port: int, out:
             "ms_per_step": 1e3 * statistics.median(step_s[1:] or step_s), "state_gib_per_process": float(held) / 2**30,
             "peak_memory_gib_per_process": float(peak), "drafter_params_m": sum(p.numel() for p in params) / 1e6
             if world == 1 else None}))
+    del drafter, opt, params, hidden, loss_sum  # they hold the process group: see close_process_group
+    close_process_group()
+
+
+def close_process_group() -> None:
+    """End this process's part of an fsdp run so that it exits cleanly. The sharded model, its optimizer and its
+    parameters hold the device mesh and through it the gloo process group, in reference cycles (FSDP's hooks) that only
+    the garbage collector frees: left to the interpreter's exit, the group's C++ side is torn down while Python is
+    being finalized, and one process in a few died there with SIGABRT ('terminate called without an active
+    exception'). So, once the caller has dropped them: every process done communicating (a barrier), the cycles
+    collected while Python is whole, then the group destroyed."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -31,6 +31,7 @@ def tiny_drafter_run(tiny_teacher, tmp_path_factory):
     return run_train(make_config("trainer.steps=2"), out, data_dir=tiny_teacher)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(catalogue.COMPONENTS))
 def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, tiny_drafter_run, tmp_path):
     own = [] if name == "drafter" else [f"{name}.warmup_steps=0"]
@@ -80,6 +81,7 @@ def test_every_component_trains_resumes_exports_and_reloads(name, tiny_teacher, 
         assert all(torch.equal(mine[k], v) for k, v in base.items()) and set(mine) > set(base)
 
 
+@pytest.mark.slow
 def test_selector_sampling_keeps_the_target_distribution():
     """As the chain's test (tests/test_eval.py): the joint of the first 3 sampled tokens against the target's exact
     joint, with the selector walking over the top-4 of 6 tokens with strong random pair scores."""
@@ -121,6 +123,7 @@ def test_eval_refuses_a_component_trained_on_another_drafter(tmp_path):
     assert drafter_difference(export, fixture) == f"no tensor {key}"
 
 
+@pytest.mark.slow
 def test_jump_kl_without_teacher_top_k_is_refused(tiny_drafter_run, tmp_path):
     """jump.kl_weight mixes in a KL to the teacher's stored top-k; without those in the data it used to train plain
     CE silently."""
@@ -133,6 +136,7 @@ def test_jump_kl_without_teacher_top_k_is_refused(tiny_drafter_run, tmp_path):
                   component="jump", drafter_dir=tiny_drafter_run / "export")
 
 
+@pytest.mark.slow
 def test_a_weaver_shape_the_settings_cannot_build_is_one_line(tiny_teacher, tiny_drafter_run, tmp_path):
     from dflash_pipeline.train.errors import TrainError
 

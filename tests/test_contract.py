@@ -78,10 +78,12 @@ def varying(tmp_path_factory):
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_every_method_is_in_the_matrix(varying):
     assert set(varying.methods) == {name for name, _ in CASES}
 
 
+@pytest.mark.slow
 def test_the_varying_target_exercises_acceptance_and_rejection(varying):
     """The greedy contract means something only if outputs vary and drafts are both accepted and rejected."""
     assert all(len(set(ref)) >= 4 for ref in varying.references), varying.references
@@ -136,11 +138,13 @@ def check_sampling(target, method, prompt, joint, V: int, block: int = 3, n: int
 
 
 # -- the matrix ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, _ in CASES])
 def test_offline_metrics(varying, name):
     check_offline(varying.methods[name], varying.drafter, varying.heldout, varying.block)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, _ in CASES])
 def test_greedy_equals_autoregressive(varying, name):
     check_greedy(varying.target, varying.methods[name], varying.prompts, varying.references, varying.block)
@@ -177,6 +181,7 @@ def sampling(tmp_path_factory):
     return SimpleNamespace(target=tgt, drafter=drafter, prompt=prompt, joint=joint, V=V, exports=exports,
                            configs=configs)
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, _ in CASES])
 def test_sampling_keeps_the_target_distribution_or_is_refused(sampling, varying, name):
     base, budget = dict(CASES)[name]
@@ -193,6 +198,7 @@ def test_sampling_keeps_the_target_distribution_or_is_refused(sampling, varying,
 
 
 # -- planted bugs: each check fails on a method broken in its way ---------------------------------------------
+@pytest.mark.slow
 def test_the_contract_checks_catch_planted_bugs(varying, sampling):
     from dflash_pipeline.eval.protocol import ChainMethod
     from dflash_pipeline.eval.tree import DDTreeMethod, DraftTree
@@ -257,6 +263,7 @@ class ReadRecorder:
 
 @pytest.mark.parametrize("name, overrides", [(name, {}) for name in catalogue.COMPONENTS]
                          + [("drafter", {"selector_loss_weight": 1.0})])  # DFlash2 joint: the selector's too
+@pytest.mark.slow
 def test_sections_cover_the_config_a_component_reads(varying, tmp_path, name, overrides):
     """A section a component reads but its stage hash omits would let a changed value reuse stale outputs."""
     cfg, teacher, train = varying.cfg.copy(), varying.teacher, varying.train

@@ -39,6 +39,7 @@ def user_folder(tmp_path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_console_scripts_and_python_m_run_the_project_from_a_folder_with_its_own_train_py(user_folder, tiny_teacher):
     run_in(user_folder, [sys.executable, "-c", "import dflash_pipeline.data.shards, dflash_pipeline.eval.compare"])
     run_in(user_folder, ["dflash-teacher", "experiment=tiny", "data.num_samples=2", "teacher.max_new_tokens=4",
@@ -54,6 +55,7 @@ def test_console_scripts_and_python_m_run_the_project_from_a_folder_with_its_own
     assert (user_folder / "run_m" / "dflash-train.log").is_file()
 
 
+@pytest.mark.slow
 def test_help_names_the_command_and_the_project():
     out = subprocess.run(["dflash-eval", "--help"], capture_output=True, text=True, timeout=120).stdout
     assert out.startswith("dflash-eval: part of dflash-pipeline") and "entrypoints" not in out
@@ -67,6 +69,7 @@ def _launch_config(tmp_path: Path, precision: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, expected", [([], "bfloat16"), (["trainer.mixed_precision=no"], "float32")])
 def test_the_launcher_config_sets_precision_unless_the_trainer_says_otherwise(tiny_teacher, tmp_path, override,
                                                                                expected):
@@ -149,6 +152,7 @@ def test_unreadable_prompt_files_fail_with_one_line_and_write_nothing(tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_negative_max_new_tokens_fails_before_any_output(tmp_path):
     out = tmp_path / "teacher"
     with pytest.raises(ConfigError, match=r"teacher.max_new_tokens=-5 is out of range: must be >= 1"):
@@ -187,6 +191,7 @@ def _wandb_mode(env: dict, requested: str | None = None) -> str:
     return next(line for line in proc.stdout.splitlines() if line.startswith("MODE")).split()[1]
 
 
+@pytest.mark.slow
 def test_wandb_settings_decide_the_mode_unless_logger_mode_is_given(tmp_path):
     base = {k: v for k, v in user_env().items() if not k.startswith("WANDB_")}
     base.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
@@ -199,6 +204,7 @@ def test_wandb_settings_decide_the_mode_unless_logger_mode_is_given(tmp_path):
     assert _wandb_mode(dict(base, WANDB_MODE="offline"), "online") == "online"  # logger.mode overrides
 
 
+@pytest.mark.slow
 def test_a_resumed_training_stage_continues_its_wandb_run(tiny_teacher, tmp_path):
     out = tmp_path / "train"
     common = ["logger=wandb", "logger.mode=offline", "logger.tags=[ablation,tiny]", "trainer.save_every=1"]
@@ -212,6 +218,7 @@ def test_a_resumed_training_stage_continues_its_wandb_run(tiny_teacher, tmp_path
     assert (tmp_path / "other" / "wandb_run_id").read_text() != first
 
 
+@pytest.mark.slow
 def test_a_user_error_is_printed_once(tmp_path):
     proc = subprocess.run(["dflash-eval", "experiment=tiny", "eval.datasets=[nope]", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, env=user_env(), timeout=120)

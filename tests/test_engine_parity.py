@@ -42,6 +42,7 @@ def dflash2_export(tmp_path: Path, conv_kernel_size: int) -> Path:
                                selector.config_dict(), "selector", {})
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_convolution_and_selector_equal_vllms_modules_and_plants_are_caught(tmp_path):
     export = dflash2_export(tmp_path, conv_kernel_size=3)
@@ -54,6 +55,7 @@ def test_convolution_and_selector_equal_vllms_modules_and_plants_are_caught(tmp_
     assert all(result["caught"].values()), result["plants"]
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_a_selector_on_a_dflash_drafter_is_served_as_dflash2_with_an_identity_convolution(tmp_path):
     export = dflash2_export(tmp_path, conv_kernel_size=0)

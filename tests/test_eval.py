@@ -169,6 +169,7 @@ def test_run_online_sampling(target, prompt_ids, random_drafter, rule):
 
 
 # -- sampling preserves the target's distribution --------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["sampled", "greedy_draft"])
 def test_speculative_sampling_matches_target_distribution(rule):
     """The joint of the first 3 sampled tokens (vocab 6, 216 cells) against its exact value from the target,
@@ -286,6 +287,7 @@ def tiny_eval(tmp_path_factory, tiny_teacher):
     return cfg, out
 
 
+@pytest.mark.slow
 def test_eval_results_schema(tiny_eval):
     cfg, out = tiny_eval
     results = json.loads((out / "eval_results.json").read_text())
@@ -327,6 +329,7 @@ def test_eval_bad_input_fails_early(tmp_path):
         run_eval(make_config(), tmp_path / "eval")
 
 
+@pytest.mark.slow
 def test_eval_skips_when_done(tiny_eval):
     cfg, out = tiny_eval
     before = (out / "eval_results.json").stat().st_mtime_ns

@@ -162,6 +162,7 @@ def test_dtype_choice_is_recorded_and_auto_is_measured():
     assert t.dtype == name and t.numerics["dtype"] == name and t.numerics["machine"] == info
 
 
+@pytest.mark.slow
 def test_tiny_pipeline_in_bf16_reports_numerics_and_near_ties(tmp_path):
     """teacher -> drafter -> eval with a bf16 target: exact up to near-ties, counts and the numerics recorded, the
     speedup also against the fastest plain decoding of either dtype."""

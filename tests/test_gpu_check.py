@@ -46,6 +46,7 @@ def run_script(*args: str, blocked: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_tiny_run_on_cpu(tmp_path):
     out = tmp_path / "g.json"
     proc = run_script("--scale", "tiny", "--device", "cpu", "--train-steps", "3", "--decodes", "2",

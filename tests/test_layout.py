@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("conf", "runtime", "data", "models", "train", "eval", "cli")
 # Each package may import those before it: configuration; running a stage (folders, hashes, progress, logging); the
@@ -108,6 +110,7 @@ def test_conf_holds_configuration_only():
     assert {t for m, targets in graph.items() if m.startswith("conf") for t in targets if layer(t) != "conf"} == set()
 
 
+@pytest.mark.slow
 def test_the_eval_stage_loads_no_training_code_at_run_time():
     """Not only the import lines: the eval stage and its method catalogue, read through, load nothing of train/."""
     import subprocess

@@ -32,6 +32,7 @@ def test_qwen3_8b_is_the_paper_scale_recipe():
     assert (cfg.drafter.num_layers, cfg.drafter.block_size, cfg.teacher.num_taps) == (5, 16, 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2_quick", "smollm2_ref", "smollm2_best"])
 def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
     cfg = make_config(f"experiment={name}", "data.num_samples=3", "teacher.prefill_samples=2",
@@ -66,9 +67,10 @@ def test_decode_settings_rerun_the_eval_and_not_the_training():
     assert config_hash(retrained, "eval") != config_hash(base, "eval")
 
 
+@pytest.mark.slow
 def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path, caplog):
     """teacher -> drafter -> every component of pipeline.components -> eval of every method, each exact; a rerun
-    skips everything; a changed selector setting retrains the selector and reruns the eval, nothing else."""
+    skips everything."""
     cfg = make_config()
     assert {str(c) for c in cfg.pipeline.components} == {"selector", "jump", "jump_head", "weaver"}
     out = run_stages(cfg, tmp_path, ["teacher", "components", "eval"])
@@ -104,14 +106,23 @@ def test_tiny_pipeline_runs_every_stage_and_skips_finished_ones(tmp_path, caplog
     chain = results["methods"]["chain"]["mtbench"]
     assert f"{chain['tau_online']:.3f}" in caplog.text and "results.md" in caplog.text
 
-    run_stages(make_config("selector.rank=8"), tmp_path, ["teacher", "components", "eval"])
-    changed = {p for p in tmp_path.rglob("*") if p.is_file() and stamps.get(p) != p.stat().st_mtime_ns}
-    assert out["train"] / "selector" / "done.json" in changed and out["eval"] / "eval_results.json" in changed
-    untouched = [out["teacher"] / "manifest.json", out["train"] / "done.json", out["train"] / "jump" / "done.json"]
-    assert not changed & set(untouched)
-
     # a method that cannot run with the asked settings is refused before any decoding, in one line
     with pytest.raises(EvalError, match=r"eval method selector_viterbi: .* greedily only"):
         run_eval(make_config("eval.temperature=0.5"), tmp_path / "eval-sampling", teacher_dir=out["teacher"],
                  train_dir=out["train"])
     assert not (tmp_path / "eval-sampling").exists()
+
+
+@pytest.mark.slow
+def test_a_changed_component_setting_retrains_that_component_and_reruns_the_eval_only(tmp_path):
+    """A changed selector setting retrains the selector and reruns the eval; the teacher, the drafter and the other
+    components are kept (a pipeline of two components and one eval set: the rule is the same for every size)."""
+    small = ["pipeline.components=[selector,jump]", "eval.methods=[chain,selector_greedy,jump]",
+             "eval.datasets=[mtbench]", "eval.turns=1", "eval.baseline_dtypes=[]", "eval.cost_repeats=1"]
+    out = run_stages(make_config(*small), tmp_path, ["teacher", "components", "eval"])
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    run_stages(make_config(*small, "selector.rank=8"), tmp_path, ["teacher", "components", "eval"])
+    changed = {p for p in tmp_path.rglob("*") if p.is_file() and stamps.get(p) != p.stat().st_mtime_ns}
+    assert out["train"] / "selector" / "done.json" in changed and out["eval"] / "eval_results.json" in changed
+    untouched = [out["teacher"] / "manifest.json", out["train"] / "done.json", out["train"] / "jump" / "done.json"]
+    assert not changed & set(untouched)

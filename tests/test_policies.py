@@ -67,6 +67,7 @@ def methods(drafter):
     ]
 
 
+@pytest.mark.slow
 def test_every_policy_is_exact_against_greedy_decoding(target, drafter, prompt_ids):
     ctx = context(drafter)
     for method in methods(drafter):

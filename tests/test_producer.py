@@ -48,6 +48,7 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
     assert worst <= atol, f"weights differ by {worst}"
 
 
+@pytest.mark.slow
 def test_producer_fed_training_equals_stored_features(teacher, stored):
     """The trainer starts the producer itself (producer.launch=true, transformers features), reads every step from
     the spool, and ends with the stored-feature run's weights; the spool keeps no step files after the run."""
@@ -60,6 +61,7 @@ def test_producer_fed_training_equals_stored_features(teacher, stored):
     assert json.loads((spool / "producer.json").read_text())["done"]
 
 
+@pytest.mark.slow
 def test_producer_fed_trainer_holds_no_target_body(teacher):
     """Fed by a producer, the drafter stage loads the target's embeddings and head only, shared by the drafter."""
     from dflash_pipeline.train.component import StageInputs
@@ -73,6 +75,7 @@ def test_producer_fed_trainer_holds_no_target_body(teacher):
     assert comp.model.embed_tokens is target.get_input_embeddings()
 
 
+@pytest.mark.slow
 def test_producer_settings_that_cannot_work_are_refused_in_one_line(teacher):
     from dflash_pipeline.train.errors import TrainError
 
@@ -127,6 +130,7 @@ def _wait_until(what, proc: subprocess.Popen, log: Path, timeout: float = 300) -
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=needs_vllm)])
 def test_killed_producer_and_killed_trainer_resume_to_the_same_weights(teacher, stored, tmp_path, engine):
     """An external producer (dflash-producer) is killed while it waits for room and started again; then the trainer
@@ -152,6 +156,7 @@ def test_killed_producer_and_killed_trainer_resume_to_the_same_weights(teacher, 
     assert_same_weights(stored, weights(run / "train"), atol=1e-6 if engine == "hf" else 1e-5)
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_read_disjoint_slots_of_one_spool(teacher, stored, tmp_path):
     """Two gloo processes fed by one producer each read their half of every step and train the weights of one
     process on stored features."""
@@ -164,6 +169,7 @@ def test_two_trainer_ranks_read_disjoint_slots_of_one_spool(teacher, stored, tmp
     assert marks == {"read-0.json": 5, "read-1.json": 5}
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_vllm_captured_teacher_dataset_equals_the_transformers_one(teacher, tmp_path):
     """teacher.capture=engine: vLLM writes the replies and captures the features; tokens identical to the
@@ -177,6 +183,7 @@ def test_vllm_captured_teacher_dataset_equals_the_transformers_one(teacher, tmp_
         assert ((x["features"] - y["features"]).norm() / x["features"].norm()).item() < 1e-5
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_vllm_producer_feeds_the_weights_of_stored_features(teacher, stored):
     """A vLLM producer (extract_hidden_states) feeds a trainer without the target's body: the stored run's

@@ -138,6 +138,7 @@ def test_generate_reports_each_row_when_it_finishes(tiny_target):
     assert any(rows for _, rows in calls[:-1])  # one of them before the batch ended
 
 
+@pytest.mark.slow
 def test_teacher_log_advances_per_sample_with_rate_and_eta(tmp_path):
     """dflash-teacher with stderr to a file: plain lines only, and the count moves inside a shard."""
     err = tmp_path / "teacher.err"
@@ -158,6 +159,7 @@ def test_teacher_log_advances_per_sample_with_rate_and_eta(tmp_path):
     assert any(re.search(r"[\d.]+ samples/s, [\d.]+ gen tok/s, elapsed \d+:\d\d, ETA \d+:\d\d$", l) for l in lines)
 
 
+@pytest.mark.slow
 def test_train_and_eval_show_steps_and_prompts(tiny_teacher, tmp_path, capsys, caplog, monkeypatch):
     from dflash_pipeline.eval.stage import run_eval
     from dflash_pipeline.train.loop import run_train

@@ -166,6 +166,7 @@ def test_gate_names_the_planted_contract_key(tmp_path, export, mismatch):
 
 
 # -- missing vLLM: one line naming the install command -----------------------------------------------------------
+@pytest.mark.slow
 def test_vllm_options_without_vllm_fail_in_one_line(tmp_path):
     env = dict(user_env(), DFLASH_VLLM_ENV=str(tmp_path / "no-venv"))
     proc = subprocess.run(["dflash-teacher", "experiment=tiny", "teacher.engine=vllm", f"hydra.run.dir={tmp_path}"],
@@ -207,6 +208,7 @@ def vllm_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_served_acceptance_equals_the_own_loop_in_float32(vllm_run):
     results = json.loads((vllm_run / "eval" / "eval_results.json").read_text())
@@ -222,6 +224,7 @@ def test_served_acceptance_equals_the_own_loop_in_float32(vllm_run):
     assert "## Served (vllm" in md and "a_k served" in md and "Parity gate: passed" in md
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_vllm_teacher_equals_the_hf_teacher(vllm_run, tmp_path):
     """Replies token-identical in float32, features (vLLM's capture against transformers') equal to bf16 storage
@@ -243,6 +246,7 @@ def test_vllm_teacher_equals_the_hf_teacher(vllm_run, tmp_path):
         run_teacher(make_config("experiment=tiny_vllm"), hf_dir)
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_vllm_teacher_killed_and_rerun_gives_the_same_dataset(vllm_run, tmp_path):
     """SIGKILL once the first shard is committed (vLLM mid-way through the second), then the same command: the
@@ -285,6 +289,7 @@ def served_run(run_dir: Path):
     return cfg, target, export, drafter, prompts
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
     """The run's export with each classic mismatch planted, served by vLLM on the prompts the own loop decodes with
@@ -299,20 +304,29 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
     assert own["accepted"] > 0
     own_contract = served.drafter_contract(drafter)
     folder = target_folder(cfg.target, cfg.cache_dir)
-    caught = {}
-    for mismatch, key in {"none": None, **PLANTED}.items():
-        served_dir = export if key is None else plant(export, tmp_path / mismatch, mismatch)
-        with VLLMEngine(cfg.cache_dir, folder, "float32", 512, speculative_config(served_dir, B),
-                        log_file=tmp_path / "vllm.log") as engine:
-            res = engine.generate(prompts, new, sorted(target.eos_ids))
-        counts = served.summed(res["spec"], B - 1)
-        verdict = served.gate(own, counts, "float32", 0.02, True, served.export_contract(served_dir), own_contract)
-        caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
+    exports = {m: export if key is None else plant(export, tmp_path / m, m)
+               for m, key in {"none": None, **PLANTED}.items()}
+    caught, names = {}, list(exports)
+    for pair in (names[i: i + 2] for i in range(0, len(names), 2)):  # two engines build side by side
+        engines = {m: VLLMEngine(cfg.cache_dir, folder, "float32", 512, speculative_config(exports[m], B),
+                                 log_file=tmp_path / f"vllm-{m}.log", wait=False) for m in pair}
+        try:
+            for mismatch, engine in engines.items():
+                counts = served.summed(engine.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
+                verdict = served.gate(own, counts, "float32", 0.02, True, served.export_contract(exports[mismatch]),
+                                      own_contract)
+                caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
+        finally:
+            for engine in engines.values():
+                engine.close(wait=False)
+            for engine in engines.values():
+                engine.close()
     assert caught.pop("none")[0], "the export as trained must serve at parity"
     for mismatch, (passed, keys, per_pos) in caught.items():
         assert not passed and keys == [PLANTED[mismatch]], (mismatch, per_pos, own)
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     """At T > 0 the statistical gate passes the run's export served by vLLM (with the engine's known CPU bug
@@ -329,22 +343,25 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     own = {r: served.own_sampled(target, drafter, prompts, B, new, T, seeds, r) for r in ("sampled", "greedy_draft")}
     folder = target_folder(cfg.target, cfg.cache_dir)
 
-    def gate(served_dir, repair):
-        engine = served.ServedEval(cfg.cache_dir, folder, served_dir, "float32", B, 512, 1, tmp_path / "vllm.log",
-                                   plain=False, repair=repair)
-        try:
-            return served.sampled_set(engine, target, drafter, prompts, B, new, T, seeds, 4, alpha, "greedy", "t",
-                                      own), engine.spec.checks
-        finally:
-            engine.close()
+    def start(name, served_dir, repair):  # the three engines build side by side
+        return served.ServedEval(cfg.cache_dir, folder, served_dir, "float32", B, 512, 1,
+                                 tmp_path / f"vllm-{name}.log", plain=False, repair=repair, wait=False)
 
-    mended, checks = gate(export, True)
+    engines = {"mended": start("mended", export, True),
+               "planted": start("planted", plant(export, tmp_path / "d2t", "d2t"), True),
+               "stock": start("stock", export, False)}
+    try:
+        gates = {name: served.sampled_set(engine, target, drafter, prompts, B, new, T, seeds, 4, alpha, "greedy", "t",
+                                          own) for name, engine in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    mended, planted, stock = gates["mended"], gates["planted"], gates["stock"]
+    checks = engines["mended"].spec.checks
     assert mended["gate"]["pass"], mended["gate"]["line"]
     assert mended["rates"]["own_greedy_draft"]["a_k"][0]["accepted"] > 0  # real acceptance compared
     assert mended["distribution"]["served"]["p"] > alpha and mended["distribution"]["own"]["p"] > alpha
-    planted, _ = gate(plant(export, tmp_path / "d2t", "d2t"), True)
     assert not planted["gate"]["pass"] and 1 in planted["gate"]["positions"]["differ"], planted["gate"]["line"]
-    stock, _ = gate(export, False)
     if not checks["rejection_temperature"]:
         line = stock["gate"]["line"]
         assert not stock["gate"]["pass"] and "the engine's bug, vLLM" in line and "repair=true" in line, line
@@ -352,6 +369,7 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
         assert stock["gate"]["pass"], stock["gate"]["line"]
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_served_eval_at_temperature_reports_every_run_kind(vllm_run):
     """dflash-eval with eval.temperature > 0 and the served engine: per set the own loop under both rules and the

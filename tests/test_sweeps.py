@@ -61,6 +61,7 @@ def killed_and_rerun_sweep(tmp_path_factory):
     return sweep_dir, before, rerun.stdout + rerun.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_rerun_does_not_repeat_its_finished_jobs(killed_and_rerun_sweep):
     sweep_dir, before, log = killed_and_rerun_sweep
     assert len(finished_jobs(sweep_dir)) == 4
@@ -73,6 +74,7 @@ def test_a_killed_sweep_rerun_does_not_repeat_its_finished_jobs(killed_and_rerun
     assert not list(sweep_dir.glob("multirun/*/teacher"))
 
 
+@pytest.mark.slow
 def test_compare_lists_the_sweep_runs_with_the_values_of_their_results(killed_and_rerun_sweep, tmp_path, capsys):
     sweep_dir, _, _ = killed_and_rerun_sweep
     header, rows = compare([str(sweep_dir)], png=tmp_path / "c.png", md=tmp_path / "c.md")
@@ -105,6 +107,7 @@ def test_compare_rejects_folders_without_runs(tmp_path):
         compare([str(tmp_path)])
 
 
+@pytest.mark.slow
 def test_compare_reads_the_same_rows_from_wandb_runs(killed_and_rerun_sweep):
     """--wandb: the train and eval runs of each job, as wandb's API gives them (config + summary written by
     RunLogger), make the same rows as the folders."""
@@ -145,6 +148,7 @@ def test_compare_reads_the_same_rows_from_wandb_runs(killed_and_rerun_sweep):
     assert sorted(map(str, rows_w)) == sorted(map(str, rows_d))
 
 
+@pytest.mark.slow
 def test_optuna_sweep_maximises_heldout_tau_and_continues_its_study(tiny_teacher, tmp_path):
     optuna = pytest.importorskip("optuna", reason="the sweep extra: pip install -e '.[sweep]'")
 
@@ -166,6 +170,7 @@ def test_optuna_sweep_maximises_heldout_tau_and_continues_its_study(tiny_teacher
         assert t.value == pytest.approx(held[-1]["tau_offline"])
 
 
+@pytest.mark.slow
 def test_recipe_sweep_searches_the_mlp_width_only_for_random_init_and_shares_its_study(tiny_teacher, tmp_path):
     optuna = pytest.importorskip("optuna", reason="the sweep extra: pip install -e '.[sweep]'")
     base = [console("dflash-train"), "-m", "experiment=tiny", "sweep=optuna_recipe", f"hydra.sweep.dir={tmp_path}",
@@ -190,6 +195,7 @@ def test_recipe_sweep_searches_the_mlp_width_only_for_random_init_and_shares_its
         assert t.value in [pytest.approx(h) for h in held]
 
 
+@pytest.mark.slow
 def test_teacher_generated_by_two_processes_equals_the_one_process_dataset(tmp_path):
     def launch(n: int, run_dir: Path) -> TeacherDataset:
         run_command(accelerate_launch(n, "-m", "dflash_pipeline.data", "experiment=tiny", f"hydra.run.dir={run_dir}"))
@@ -225,6 +231,7 @@ def test_slurm_launcher_and_accelerate_recipes_are_valid():
             assert c.distributed_type == "FSDP" and c.fsdp_config == {"fsdp_version": 2}
 
 
+@pytest.mark.slow
 def test_slurm_launcher_runs_each_job_as_one_distributed_job_per_task(tiny_teacher, tmp_path):
     """The submitit launcher with 2 tasks per job (its local executor, as SLURM would start them): the tasks form
     one 2-process accelerate run, which follows the 1-process loss curve."""

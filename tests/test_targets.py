@@ -54,6 +54,7 @@ def reference(target, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_teacher_and_exact_loop(family_dirs, family):
     """Continuous batching (rows admitted and finishing at different steps), the autoregressive loop and speculative

@@ -200,6 +200,7 @@ def test_bf16_resume_after_crash_equals_an_uninterrupted_bf16_run(tmp_path, monk
         "bfloat16"
 
 
+@pytest.mark.slow
 def test_auto_dtype_resume_on_other_numerics_is_refused(tmp_path, monkeypatch):
     """target.dtype=auto decides per machine: a teacher started in float32 is not finished in bfloat16 (its shards
     would mix numerics); the resolved dtype is recorded in the plan and the manifest."""
@@ -324,6 +325,7 @@ def test_continuous_batching_replies_equal_one_prompt_at_a_time(sampling):
     assert batched == single
 
 
+@pytest.mark.slow
 def test_continuous_batching_gives_the_unbatched_dataset(tiny_target):
     """The teacher's continuously batched regeneration writes exactly the dataset of the one-row-at-a-time path:
     ids, loss masks, top-k and features (both turns, a batch smaller than the samples, a prefill budget that splits
@@ -454,6 +456,7 @@ def test_merged_datasets_read_as_their_sources_and_hold_out_regenerated_samples(
         merge_datasets([tiny_teacher, prefilled.folder], tmp_path / "merged")
 
 
+@pytest.mark.slow
 def test_show_sample_renders_the_stored_turns_with_the_trained_tokens_marked(tiny_teacher):
     """scripts/show_sample.py, the README's template check: the sample as the tokenizer renders it, each span of
     the target's own reply tokens (the loss mask) between [[ and ]], nothing else marked."""
@@ -519,6 +522,7 @@ def test_fp8_features_take_half_the_disk_and_read_back_as_the_bf16_ones(tiny_tea
     assert (done["train"] / "export" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_tokens_only_teacher_trains_exactly_as_online_training_on_stored_features(tiny_teacher, tmp_path):
     """teacher.feature_dtype=none: the same samples with no features on disk (a fraction of the bytes); training on
     it captures them from the target in the loop, the same weights as trainer.online=true on the stored dataset; a

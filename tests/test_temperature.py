@@ -59,6 +59,7 @@ def test_intervals_hold_at_zero_and_report_no_trials():
     assert t["a_k"][1]["rate"] is None  # position 2 never reached: no rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["sampled", "greedy_draft"])
 def test_pit_is_uniform_for_exact_samplers_and_catches_a_biased_one(rule):
     """Speculative samples under either rule pass the distribution check against the target at their temperature;

@@ -163,6 +163,7 @@ def test_export_reloads_to_the_same_drafter(tiny_teacher, tmp_path, component):
     assert config["dflash_pipeline"]["target_layer_ids"] == config["dflash_config"]["target_layer_ids"]
 
 
+@pytest.mark.slow
 def test_dflash2_fine_tune_starts_from_the_trained_dflash_drafter(tiny_teacher, tmp_path):
     """drafter.init_from: a convolution drafter started from a DFlash drafter's export is that drafter (the same
     held-out metrics before its first step), then trains its convolution; an export of another shape is refused."""
@@ -205,6 +206,7 @@ def test_wrong_component_and_mismatched_dataset_fail_clearly(tiny_teacher, tmp_p
                   data_dir=tiny_teacher)
 
 
+@pytest.mark.slow
 def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path):
     """accelerate launch with 2 CPU processes (gloo) and the same global batch gives the same losses, and a
     1-process run resumed on 2 processes continues that curve."""
@@ -306,6 +308,7 @@ def test_dflash2_joint_training_trains_the_selector_with_the_drafter(tiny_teache
                    ["components"])
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_processes_follows_one_process_resumes_on_another_count_and_exports_its_weights(tiny_teacher,
                                                                                                     tmp_path):
     """An FSDP launch (accelerate's --use_fsdp, which a CPU launch runs as gloo processes: train/parallel.py shards
