@@ -51,3 +51,21 @@ def write_json(path: str | Path, obj: Any, indent: int = 1) -> None:
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
+
+
+def publish_folder(tmp: str | Path, out: str | Path, marker: str = "config.json") -> Path:
+    """Rename a finished folder `tmp` to `out` (with its umask mode). Where another process published `out` first
+    (jobs of a sweep or test workers filling one cache at once), keep that one, whose content is the same, and drop
+    `tmp`; a folder in the way without `marker` (a corrupt one) is an error."""
+    tmp, out = Path(tmp), Path(out)
+    follow_umask(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / marker).is_file():
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+

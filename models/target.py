@@ -19,7 +19,7 @@ from safetensors import safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
                           LlamaForCausalLM, PreTrainedTokenizerBase)
 
-from dflash_pipeline.data.files import follow_umask
+from dflash_pipeline.data.files import publish_folder
 from dflash_pipeline.models.cache import CacheError, check_supported
 from dflash_pipeline.models.precision import machine, resolve_dtype
 
@@ -196,9 +196,7 @@ def _converted_gguf(file: Path, cache_dir: Path) -> Path:
     model.hf_quantizer = None
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    follow_umask(tmp)  # a cache other users' jobs may share
-    tmp.rename(out)
-    return out
+    return publish_folder(tmp, out)  # umask mode: a cache other users' jobs may share
 
 
 def resolve_pretrained(kind: str, path: str, gguf_file: str | None, cache_dir: str | Path) -> str:
@@ -271,9 +269,7 @@ def target_folder(cfg, cache_dir: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny(cfg, len(tokenizer), special).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    follow_umask(tmp)
-    tmp.rename(out)
-    return out
+    return publish_folder(tmp, out)
 
 
 class TargetHead(torch.nn.Module):

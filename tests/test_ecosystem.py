@@ -225,3 +225,29 @@ def test_a_user_error_is_printed_once(tmp_path):
     assert proc.returncode == 2
     assert (proc.stdout + proc.stderr).count("unknown eval dataset 'nope'") == 1
     assert "unknown eval dataset 'nope'" in (tmp_path / "dflash-eval.log").read_text()  # and kept in the job log
+
+
+def test_two_processes_filling_one_cache_folder_both_succeed(tmp_path):
+    """Jobs of a sweep (or test workers) converting the same target into a fresh cache at once: whoever renames its
+    folder second keeps the first one's (same content) instead of failing; a folder in the way that is not a finished
+    one is an error. Concurrent writers of one file each use their own temporary name."""
+    import os
+
+    from dflash_pipeline.data.files import atomic_path, publish_folder
+
+    out = tmp_path / "targets" / "tiny-abc"
+    first, second = tmp_path / "targets" / "tiny-abc.tmp1", tmp_path / "targets" / "tiny-abc.tmp2"
+    for folder, text in ((first, "first"), (second, "second")):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(text)
+    assert publish_folder(first, out) == out and publish_folder(second, out) == out
+    assert (out / "config.json").read_text() == "first" and not second.exists()
+    broken, other = tmp_path / "broken", tmp_path / "other.tmp"
+    (broken / "x").mkdir(parents=True)
+    other.mkdir()
+    with pytest.raises(OSError):
+        publish_folder(other, broken)
+    with atomic_path(tmp_path / "shared.json") as tmp:
+        assert tmp.name == f"shared.json.tmp{os.getpid()}"
+        tmp.write_text("{}")
+    assert (tmp_path / "shared.json").read_text() == "{}" and not tmp.exists()
