@@ -29,22 +29,15 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# Module fixtures that cost a pipeline run, an engine or a training run: under pytest-xdist (`--dist loadgroup`) the
-# tests reading one run go to the worker that built it, instead of each worker building its own.
-SHARED_RUNS = ("vllm_run", "killed_and_rerun_sweep", "stored", "varying", "tiny_drafter_run", "tiny_eval")
-# The modules holding the longest runs (vLLM engines, each family's pipeline): collected first, so that the two
-# workers start on them and end together rather than one finishing a long run alone.
+# The modules holding the longest runs (vLLM engines, each family's pipeline): collected first. Under
+# `--dist loadscope` each module runs whole on one worker (its module fixtures built once) and modules are handed out
+# in collection order, so the two workers start on the long ones and end together.
 LONGEST_FIRST = ("test_served", "test_targets", "test_producer", "test_pipeline", "test_sweeps", "test_train")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: each module's order kept
-    for item in items:
-        shared = [name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))
 
 
 def make_config(*overrides: str, return_hydra_config: bool = False):
