@@ -68,4 +68,3 @@ def publish_folder(tmp: str | Path, out: str | Path, marker: str = "config.json"
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-

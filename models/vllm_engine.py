@@ -98,8 +98,8 @@ class VLLMEngine:
     .repaired ([names]).
 
     wait=False returns as soon as the worker process is started; `ready()` then waits until its engine is built.
-    Engines started that way build side by side (the served eval's plain and speculative engines: their start-up,
-    mostly single-threaded imports and loading, takes about half the time on two cores)."""
+    Engines started that way build side by side (the served eval's plain and speculative engines: both ready in 12.0 s
+    on 2 Zen 4 cores, 17.6 s one after the other)."""
 
     def __init__(self, cache_dir: str | Path, model: str | Path, dtype: str, max_model_len: int,
                  speculative: dict | None = None, threads: int = 1, log_file: Path | None = None,

@@ -22,7 +22,8 @@ With "capture_layers" (vLLM's auxiliary layer ids: the project's tapped layer i 
 `extract_hidden_states` method: the target caches those layers' states per token beside its KV cache, and
 FileCapture, a KV connector defined here, copies a finished request's states to its file on the CPU (vLLM's example
 connector stages them through pinned CUDA memory, which the CPU build does not have). The engine core runs
-in-process (on a CPU always: main() says why), so that the connector registered here is the one it builds. Only requests that name a file are written.
+in-process (on a CPU always: main() says why), so that the connector registered here is the one it builds. Only
+requests that name a file are written.
 The states live in cache blocks beside the KV cache, so with prefix caching a capture of a sequence the engine has
 just generated reuses the states its generation computed: only the last, partial block is computed again.
 Speculative counters are the deltas of LLM.get_metrics() over a call: drafts, draft tokens, accepted tokens and
