@@ -33,7 +33,7 @@ from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
 from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.eval.metrics import median
 from dflash_pipeline.models.target import target_folder
-from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
+from dflash_pipeline.models.vllm_engine import VLLMEngine, close_engines, speculative_config
 
 log = logging.getLogger(__name__)
 
@@ -191,11 +191,7 @@ class ServedEval:
             raise
 
     def close(self) -> None:
-        engines = [e for e in (self.plain, getattr(self, "spec", None)) if e is not None]
-        for engine in engines:  # both shut down side by side
-            engine.close(wait=False)
-        for engine in engines:
-            engine.close()
+        close_engines(self.plain, getattr(self, "spec", None))
 
     def run_sampled(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float,
                     seeds: list[int], batch: int, label: str = "") -> dict:

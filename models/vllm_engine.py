@@ -199,6 +199,15 @@ class VLLMEngine:
         self.close()
 
 
+def close_engines(*engines: VLLMEngine | None) -> None:
+    """Close engines side by side: each asked to quit, then each waited for."""
+    engines = tuple(e for e in engines if e is not None)
+    for engine in engines:
+        engine.close(wait=False)
+    for engine in engines:
+        engine.close()
+
+
 def speculative_config(drafter_dir: str | Path, block_size: int, draft_sample_method: str = "greedy") -> dict:
     """vLLM's speculative_config for an exported DFlash drafter verified in blocks of `block_size` (B-1 drafts).
 

@@ -296,7 +296,7 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
     the export as trained: the gate fails and names the planted key."""
     from dflash_pipeline.eval.decode import speculative
     from dflash_pipeline.models.target import target_folder
-    from dflash_pipeline.models.vllm_engine import VLLMEngine, speculative_config
+    from dflash_pipeline.models.vllm_engine import VLLMEngine, close_engines, speculative_config
 
     cfg, target, export, drafter, prompts = served_run(vllm_run)
     B, new = drafter.config.block_size, 32
@@ -317,10 +317,7 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
                                       own_contract)
                 caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
         finally:
-            for engine in engines.values():
-                engine.close(wait=False)
-            for engine in engines.values():
-                engine.close()
+            close_engines(*engines.values())
     assert caught.pop("none")[0], "the export as trained must serve at parity"
     for mismatch, (passed, keys, per_pos) in caught.items():
         assert not passed and keys == [PLANTED[mismatch]], (mismatch, per_pos, own)
