@@ -99,6 +99,7 @@ class DrafterInit(Choice):
 class Attention(Choice):
     eager = "eager"
     sdpa = "sdpa"
+    flex = "flex"
 
 
 class Loss(Choice):
@@ -265,8 +266,12 @@ class DrafterConfig:
     mask_token_id: Optional[int] = ranged(None, ge=0)  # None: chosen from the tokenizer (docs/methods.md, 'The MASK token')
     init: DrafterInit = DrafterInit.random  # target: layers and final norm copied from the target's last layers
     # The attention kernel (models/drafter.py ATTENTION_FUNCTIONS): eager = plain matmul + softmax, the reference;
-    # sdpa = torch's scaled_dot_product_attention (fused kernels on GPU). Not part of the export.
+    # sdpa = torch's scaled_dot_product_attention (fused kernels on GPU; the packed mask in slices of
+    # attention_chunk_mb); flex = flex_attention with a block-sparse mask, compiled on a GPU (no backward on a CPU).
+    # Not part of the export.
     attn_implementation: Attention = Attention.sdpa
+    # sdpa in training: MB of the packed mask built at a time, each slice recomputed in the backward; 0 = all at once
+    attention_chunk_mb: float = ranged(64.0, ge=0.0)
     # DFlash2's grouped dynamic convolution around each layer's attention and MLP (docs/methods.md, 'DFlash2
     # convolution'): taps over the block's positions, 0 = off (the DFlash drafter exactly); channels share a per-token
     # coefficient in groups of conv_group_size (must divide the hidden size). Exported as DFlash2DraftModel.
@@ -369,6 +374,14 @@ class TrainerConfig:
     batch_sequences: int = ranged(8, ge=1)  # global batch (all processes, all micro-batches) of sequences per step
     grad_accum: int = ranged(1, ge=1)  # micro-batches per process per step
     anchors_per_sequence: int = ranged(48, ge=1)
+    # a token budget per step (long sequences of mixed lengths): a step takes sequences until their tokens reach it,
+    # at most batch_sequences and at least one per micro-batch, cut into micro-batches of even token counts (memory
+    # follows tokens_per_step / (processes x grad_accum)); None: batch_sequences sequences per step
+    tokens_per_step: Optional[int] = ranged(None, ge=1)
+    # memory (docs/results/memory.md): the drafter's logits and block losses are computed this many MB of logits at a
+    # time, each slice recomputed in the backward (0: all logits at once); per-layer activation checkpointing
+    logits_chunk_mb: float = ranged(256.0, ge=0.0)
+    activation_checkpointing: bool = False
     feature_noise: float = ranged(0.0, ge=0.0)  # drafter: Gaussian noise on the target features, x their RMS
     loss: Loss = Loss.decay
     gamma: Optional[float] = ranged(None, gt=0.0)  # decay constant; None: from the block size (7 for 16, 4 for 8)

@@ -220,6 +220,13 @@ class TeacherDataset(torch.utils.data.Dataset):
     def __iter__(self) -> Iterator[dict]:
         return (self[i] for i in range(len(self)))
 
+    def length(self, i: int) -> int:
+        """Tokens of sample i, from its shard's offsets (nothing else is read)."""
+        k = bisect_right(self._starts, i) - 1
+        offsets = self._shard(k)[1]
+        j = i - self._starts[k]
+        return offsets[j + 1] - offsets[j]
+
     def __getstate__(self):  # safe_open handles do not pickle; DataLoader workers reopen them
         state = self.__dict__.copy()
         state["_handles"], state["_offsets"] = {}, {}

@@ -12,7 +12,8 @@ block's positions, causal within the block, that gives a drafted position the bl
 order (the serial dependence a bidirectional block lacks). Exported as `DFlash2DraftModel` (docs/export.md).
 
 Two paths share the same layers:
-- `forward_packed`: training; all anchor blocks of a sequence in one forward, separated by `packed_attention_mask`.
+- `forward_packed`: training; all anchor blocks of a sequence in one forward, separated by a `PackedMask` (who sees
+  what, never built as one dense matrix unless a kernel asks for it).
 - `forward_step`: inference; the projected context K/V live in a `DrafterCache`, the block's own K/V are not kept.
 
 Shapes: Bc/Bt batch, Tc context length, Nb blocks per sequence, B block size, H hidden, Ht target hidden,
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv,
                                                       rotate_half)
@@ -52,6 +54,9 @@ class DFlashDrafterConfig:
     mask_token_id: int
     rope_scaling: dict | None = None  # the target's rope parameters besides rope_theta (rope_type, factor, ...)
     attn_implementation: str = "sdpa"  # a key of ATTENTION_FUNCTIONS; a runtime choice, not exported
+    # sdpa in training: the packed mask is built this many MB at a time (rows of blocks), each slice's attention
+    # recomputed in the backward instead of keeping its mask; 0 = the whole dense mask at once. Not exported.
+    attention_chunk_mb: float = 64.0
     # Weight-tied depth: the block passes through the layer stack this many times (the same weights each time; the
     # context K/V of a layer are the same on every pass, so they are projected and cached once). Exported unrolled,
     # as num_hidden_layers x layer_repeats layers of copied weights: engines load an ordinary deeper drafter.
@@ -63,6 +68,8 @@ class DFlashDrafterConfig:
 
     def __post_init__(self):
         attention_function(self.attn_implementation)
+        if self.attention_chunk_mb < 0:
+            raise ValueError(f"attention_chunk_mb must be >= 0 (0: the whole mask at once), got {self.attention_chunk_mb}")
         if self.conv_kernel_size < 0:
             raise ValueError(f"conv_kernel_size must be 0 (off) or a number of taps, got {self.conv_kernel_size}")
         if self.conv_kernel_size and (self.conv_group_size < 1 or self.hidden_size % self.conv_group_size):
@@ -104,28 +111,143 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-def eager_attention(q, k, v, mask):
-    """The plain path the kernels are tested against: q (Bt, h, Q, D); k, v (Bt, hk, S, D); mask (Bt, 1, Q, S) bool,
-    True = may attend, or None = all visible. Softmax in float32. Returns (Bt, h, Q, D)."""
+class PackedMask:
+    """Who sees what in a packed training forward (docs/methods.md, 'Packed training'), kept as the anchors rather
+    than as a (Nb*B) x (Tc + Nb*B) matrix: a block token sees context t iff t < its anchor (and t is valid), sees its
+    whole block, and never another block; a padded block sees only itself, so no row is empty (an empty row would
+    make SDPA return NaN). Kernels ask for what they run on: `dense` rows (eager, sdpa) or a flex `block_mask`.
+
+    anchor_pos (Bc, Nb); context_valid (Bc, Tc) marks real (not padded) context tokens; anchor_valid (Bc, Nb) marks
+    real blocks; chunk_mb: the most MB of dense mask the sdpa kernel builds at a time (0: all at once).
+    """
+
+    def __init__(self, anchor_pos: torch.Tensor, num_context: int, block_size: int,
+                 context_valid: torch.Tensor | None = None, anchor_valid: torch.Tensor | None = None,
+                 chunk_mb: float = 0.0):
+        self.anchor_pos, self.num_context, self.block_size = anchor_pos, num_context, block_size
+        self.context_valid, self.anchor_valid, self.chunk_mb = context_valid, anchor_valid, chunk_mb
+        self._block_mask = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchor_pos.shape[1]
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_context + self.num_blocks * self.block_size
+
+    def dense(self, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """The rows of blocks first..last-1: (Bc, 1, (last-first)*B, Tc + Nb*B) bool, True = may attend."""
+        last = self.num_blocks if last is None else last
+        anchor, device = self.anchor_pos[:, first:last], self.anchor_pos.device
+        sees_context = torch.arange(self.num_context, device=device) < anchor[..., None]  # (Bc, n, Tc)
+        if self.context_valid is not None:
+            sees_context = sees_context & self.context_valid[:, None, :].bool()
+        if self.anchor_valid is not None:
+            sees_context = sees_context & self.anchor_valid[:, first:last, None].bool()
+        sees_context = sees_context.repeat_interleave(self.block_size, dim=1)  # (Bc, n*B, Tc)
+        query_block = torch.arange(first, last, device=device).repeat_interleave(self.block_size)
+        key_block = torch.arange(self.num_blocks, device=device).repeat_interleave(self.block_size)
+        sees_block = (query_block[:, None] == key_block[None, :]).expand(anchor.shape[0], -1, -1)
+        return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+    def row_chunks(self) -> list[tuple[int, int]]:
+        """(first, last) block ranges whose dense rows (bool + the float copy SDPA makes) fit chunk_mb."""
+        per_block = 5 * self.anchor_pos.shape[0] * self.block_size * self.num_keys
+        step = self.num_blocks if self.chunk_mb <= 0 else max(1, int(self.chunk_mb * 2**20 // per_block))
+        return [(j, min(j + step, self.num_blocks)) for j in range(0, self.num_blocks, step)]
+
+    def sees(self, b, q, kv):
+        """The same rule as `dense`, for one (query, key) index pair of sequence b (flex_attention's mask_mod)."""
+        Tc, B = self.num_context, self.block_size
+        block = q // B
+        sees = kv < self.anchor_pos[b, block]
+        if self.context_valid is not None:
+            sees = sees & self.context_valid[b, kv.clamp(max=Tc - 1)].bool()
+        if self.anchor_valid is not None:
+            sees = sees & self.anchor_valid[b, block].bool()
+        return torch.where(kv < Tc, sees, (kv - Tc) // B == block)
+
+    def block_mask(self):
+        """flex_attention's BlockMask (built once per forward, shared by every layer): tiles no query sees are
+        skipped, and no dense matrix exists."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            Bc = self.anchor_pos.shape[0]
+            self._block_mask = create_block_mask(lambda b, h, q, kv: self.sees(b, q, kv), Bc, None, self.num_blocks * self.block_size,
+                                                 self.num_keys, device=self.anchor_pos.device)
+        return self._block_mask
+
+
+def packed_attention_mask(anchor_pos: torch.Tensor, num_context: int, block_size: int,
+                          context_valid: torch.Tensor | None = None,
+                          anchor_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole training mask of Nb packed blocks at once: (Bc, Nb*B, Tc + Nb*B) bool (PackedMask.dense)."""
+    return PackedMask(anchor_pos, num_context, block_size, context_valid, anchor_valid).dense()[:, 0]
+
+
+def eager_attention(q, k, v, mask: PackedMask | None):
+    """The plain path the kernels are tested against: q (Bt, h, Q, D); k, v (Bt, hk, S, D); mask a PackedMask, or
+    None = all visible. Softmax in float32. Returns (Bt, h, Q, D)."""
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (Bt, h, Q, S)
     if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(~mask.dense(), torch.finfo(scores.dtype).min)
     return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def sdpa_attention(q, k, v, mask):
+def sdpa_attention(q, k, v, mask: PackedMask | None):
     """torch's fused kernels, same arguments. K/V heads are repeated here: SDPA's own GQA (enable_gqa) falls back to
-    the math kernel on CUDA when a mask is given."""
+    the math kernel on CUDA when a mask is given. The packed mask goes in slices of rows (PackedMask.row_chunks);
+    with gradients, each slice's attention is recomputed in the backward (torch.utils.checkpoint), so no slice of the
+    mask, nor the float copy SDPA makes of it, outlives its own slice of the forward."""
     groups = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    chunks = mask.row_chunks()
+    if len(chunks) == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense())
+
+    def rows(first, last, q_rows, k, v):
+        return F.scaled_dot_product_attention(q_rows, k, v, attn_mask=mask.dense(first, last))
+
+    B, grad = mask.block_size, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    outs = []
+    for first, last in chunks:
+        args = (first, last, q[:, :, first * B:last * B], k, v)
+        outs.append(checkpoint(rows, *args, use_reentrant=False) if grad else rows(*args))
+    return torch.cat(outs, dim=2)
+
+
+_compiled_flex = None
+
+
+def flex_attention(q, k, v, mask: PackedMask | None):
+    """torch's flex_attention with the packed BlockMask: fused and block-sparse where torch compiles it (CUDA),
+    forward and backward. On a CPU torch runs it forward only (no gradients), so training there takes sdpa. The
+    cached inference step (no mask) is sdpa's."""
+    if mask is None:
+        return sdpa_attention(q, k, v, None)
+    from torch.nn.attention import flex_attention as flex
+
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise ValueError("attn_implementation=flex has no backward on a CPU in this torch; train with "
+                         "drafter.attn_implementation=sdpa there")
+    global _compiled_flex
+    run = flex.flex_attention
+    if q.device.type == "cuda":
+        _compiled_flex = _compiled_flex or torch.compile(flex.flex_attention, dynamic=True)
+        run = _compiled_flex
+    return run(q, k, v, block_mask=mask.block_mask(), enable_gqa=True)
 
 
 # The one lookup of the attention kernel (config.attn_implementation). A new kernel must equal eager on the packed
-# mask, the cached step and the gradients (tests/test_drafter_modules.py). flex_attention with a block mask is not
-# here: torch has no flex backward on CPU, so its training path cannot be tested without a GPU.
-ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention}
+# mask, the cached step and the gradients (tests/test_drafter_modules.py; flex's gradients on a GPU only:
+# scripts/gpu_check.py).
+ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention}
 
 
 def attention_function(name: str):
@@ -158,7 +280,7 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x, context_k, context_v, cos, sin, mask=None) -> torch.Tensor:
         """x (Bt, Q, H) normed block hidden; context_k/v (Bt, hk, Tc, D); cos/sin (Bt, Q, D) at the block positions;
-        mask (Bt, 1, Q, Tc + Q) bool, True = may attend, or None = all visible. Returns (Bt, Q, H)."""
+        mask a PackedMask over [context | block], or None = all visible. Returns (Bt, Q, H)."""
         Bt, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(Bt, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = rotate(q, cos, sin)  # (Bt, h, Q, D)
@@ -245,29 +367,6 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 
-def packed_attention_mask(anchor_pos: torch.Tensor, num_context: int, block_size: int,
-                          context_valid: torch.Tensor | None = None,
-                          anchor_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Training mask of Nb packed blocks (docs/methods.md, 'Packed training'): (Bc, Nb*B, Tc + Nb*B) bool,
-    True = may attend.
-
-    anchor_pos (Bc, Nb); context_valid (Bc, Tc) marks real (not padded) context tokens; anchor_valid (Bc, Nb) marks
-    real blocks. A block token sees context t iff t < its anchor (and t is valid), sees its whole block, and never
-    another block. A padded block sees only itself, so no row is empty (an empty row would make SDPA return NaN).
-    """
-    Bc, Nb = anchor_pos.shape
-    device = anchor_pos.device
-    sees_context = torch.arange(num_context, device=device) < anchor_pos[..., None]  # (Bc, Nb, Tc)
-    if context_valid is not None:
-        sees_context = sees_context & context_valid[:, None, :].bool()
-    if anchor_valid is not None:
-        sees_context = sees_context & anchor_valid[..., None].bool()
-    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # (Bc, Nb*B, Tc)
-    block_of = torch.arange(Nb, device=device).repeat_interleave(block_size)  # (Nb*B,)
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(Bc, -1, -1)  # (Bc, Nb*B, Nb*B)
-    return torch.cat([sees_context, sees_block], dim=-1)
-
-
 class DrafterCache:
     """Per-layer context K/V (after k_norm and RoPE), each (Bt, hk, Tc, D). Holds context only, never a block."""
 
@@ -322,6 +421,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("draft_to_target", None)  # (Vd,) target ids of the draft vocabulary; exported as d2t
+        # training memory (trainer.activation_checkpointing): each layer keeps its input only, recomputing the rest in
+        # the backward (about one more forward of the layers)
+        self.activation_checkpointing = False
         self.apply(self._init_weights)
 
     @staticmethod
@@ -420,11 +522,15 @@ class DFlashDrafter(nn.Module):
         block_pos = (anchor_pos[..., None] + torch.arange(B, device=anchor_pos.device)).reshape(Bc, Nb * B)
         context_cos, context_sin = self.rotary(context_pos)
         cos, sin = self.rotary(block_pos)
-        mask = packed_attention_mask(anchor_pos, Tc, B, context_valid, anchor_valid)[:, None]  # (Bc, 1, Nb*B, Tc+Nb*B)
+        mask = PackedMask(anchor_pos, Tc, B, context_valid, anchor_valid, self.config.attention_chunk_mb)
         x = self._embed(block_ids).reshape(Bc, Nb * B, -1)  # (Bc, Nb*B, H)
         context_kv = [layer.self_attn.project_kv(context, context_cos, context_sin) for layer in self.layers]
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i in self.layer_order():
-            x = self.layers[i](x, *context_kv[i], cos, sin, mask)
+            if recompute:  # keep only each layer's input; its activations are recomputed in the backward
+                x = checkpoint(self.layers[i], x, *context_kv[i], cos, sin, mask, use_reentrant=False)
+            else:
+                x = self.layers[i](x, *context_kv[i], cos, sin, mask)
         return self.norm(x).view(Bc, Nb, B, -1)
 
     def fsdp_units(self) -> list[nn.Module]:

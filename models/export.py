@@ -59,7 +59,7 @@ def config_from_json(config_cls, d: dict):
     nested = d["dflash_config"]
     values = {f.name: d[f.name] for f in fields(config_cls)
               if f.name not in ("target_layer_ids", "mask_token_id", "rope_scaling", "attn_implementation",
-                                "layer_repeats", "conv_kernel_size", "conv_group_size")}
+                                "attention_chunk_mb", "layer_repeats", "conv_kernel_size", "conv_group_size")}
     conv = {k: nested[k] for k in ("conv_kernel_size", "conv_group_size") if k in nested}
     return config_cls(**values, rope_scaling=d.get("rope_scaling"), target_layer_ids=list(nested["target_layer_ids"]),
                       mask_token_id=nested["mask_token_id"], **conv)

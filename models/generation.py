@@ -84,9 +84,11 @@ class ContinuousBatch:
                 for chunks in self.seen]
 
     def record(self, out, rows: list[int], spans: list[slice]) -> None:
-        hs, taps = out.hidden_states, self.taps
+        # The taps of the whole batch, once per pass: a row keeps a view of them until captured(), and a view keeps
+        # its whole tensor, so one made per row held the batch's taps once per row (6.0 GB vs 3.2 in the main job).
+        hs, feats = out.hidden_states, tapped(out.hidden_states, self.taps)
         for j, (r, span) in enumerate(zip(rows, spans)):
-            self.seen[r].append((tapped(hs, taps)[j, span], hs[-1][j, span]))
+            self.seen[r].append((feats[j, span], hs[-1][j, span]))
 
     def pick(self, logits: torch.Tensor, rows: list[int], live: list[bool]) -> tuple[torch.Tensor, list[bool]]:
         """The next token of each live row, appended to its reply; whether each row goes on decoding."""

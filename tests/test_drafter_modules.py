@@ -21,7 +21,7 @@ from torch import nn
 from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from dflash_pipeline.models.drafter import ATTENTION_FUNCTIONS, DFlashDrafter
+from dflash_pipeline.models.drafter import ATTENTION_FUNCTIONS, PackedMask, DFlashDrafter
 from dflash_pipeline.models.target import load_target, resolve_layer_ids
 from dflash_pipeline.train.drafter import drafter_config
 
@@ -183,7 +183,9 @@ def test_rotary_frequencies_stay_float32_under_a_dtype_cast():
 
 
 # -- attention kernels: each one equals the plain path ---------------------------------------------------------------
-KERNELS = sorted(set(ATTENTION_FUNCTIONS) - {"eager"})
+# sdpa-sliced: sdpa with the packed mask built one block's rows at a time (attention_chunk_mb), each slice
+# recomputed in the backward
+KERNELS = sorted(set(ATTENTION_FUNCTIONS) - {"eager"}) + ["sdpa-sliced"]
 
 
 def padded_inputs():
@@ -195,7 +197,10 @@ def padded_inputs():
 
 
 def with_kernel(model: DFlashDrafter, name: str) -> DFlashDrafter:
-    model.set_attn_implementation(name)
+    model.set_attn_implementation(name.removesuffix("-sliced"))
+    if name.endswith("-sliced"):
+        model.config.attention_chunk_mb = 1e-9  # one block's rows at a time
+        assert len(PackedMask(torch.zeros(1, 3, dtype=torch.long), 12, B, chunk_mb=1e-9).row_chunks()) == 3
     return model
 
 
@@ -218,6 +223,11 @@ def test_kernel_equals_eager_on_the_packed_mask_and_the_cached_step(kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_gradients_equal_eager(kernel):
+    if kernel == "flex":  # torch runs flex forward only on a CPU; its gradients are checked on a GPU (gpu_check.py)
+        model = with_kernel(tiny_drafter(), "flex").train()
+        with pytest.raises(ValueError, match="flex has no backward on a CPU.*attn_implementation=sdpa"):
+            model.forward_packed(*padded_inputs())
+        return
     grads = []
     for name in ("eager", kernel):
         model = with_kernel(tiny_drafter(), name).train()
@@ -238,7 +248,7 @@ def test_attn_implementation_is_chosen_by_config_and_checked():
         num_key_value_heads=2)), tokenizer=None)
     assert drafter_config(cfg, target, [1, 3]).attn_implementation == "eager"
     assert make_config().drafter.attn_implementation == "sdpa"
-    with pytest.raises(ValueError, match=r"unknown attn_implementation 'flash'; use one of \['eager', 'sdpa'\]"):
+    with pytest.raises(ValueError, match=r"unknown attn_implementation 'flash'; use one of \['eager', 'flex', 'sdpa'\]"):
         tiny_drafter().set_attn_implementation("flash")
 
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from dflash_pipeline.runtime import memory
 from dflash_pipeline.runtime import progress as progress_mod
 from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.models.generation import generate
@@ -110,6 +111,24 @@ def test_a_terminal_gets_a_bar_and_logging_goes_through_tqdm(clock, monkeypatch)
         assert handler in root.handlers  # and given back
     finally:
         root.removeHandler(handler)
+
+
+def test_each_stage_logs_its_own_peak_and_the_process_peak_stays_for_gnu_time():
+    """A stage's log line counts a tensor it made, not an earlier stage's larger one; and measuring resets nothing,
+    so GNU time's maximum RSS (the kernel's high-water mark) still holds the job's peak."""
+    import torch
+
+    big, small = 256 * 2**20, 128 * 2**20
+    with memory.StagePeak() as first:
+        x = torch.ones(big // 4)  # written, so resident
+    del x
+    with memory.StagePeak() as second:
+        y = torch.ones(small // 4)
+    del y
+    assert first.peak >= big and second.peak >= small
+    assert second.peak < first.peak - (big - small) // 2
+    assert memory.peak_rss() >= first.peak - 2**20  # (the kernel's counters lag by a few pages)
+    assert re.fullmatch(r"peak \d+\.\d GB resident", second.text())
 
 
 @pytest.fixture(scope="module")

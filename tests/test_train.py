@@ -132,6 +132,65 @@ def test_label_alignment_with_a_perfect_shortcut(component):
     assert aligned > 0.95 and misaligned < 0.1
 
 
+@pytest.mark.parametrize("overrides", [
+    (), ("trainer.loss=dpace",), ("trainer.loss=kl",),
+    ("trainer.loss=dpace", "trainer.selector_loss_weight=1.0", "trainer.draft_vocab_size=50", "selector.top_k=8",
+     "selector.rank=8"),
+], ids=["decay", "dpace", "kl", "dpace-joint-selector-draft-vocab"])
+def test_memory_savers_give_the_whole_logits_loss_and_gradients(tiny_teacher, overrides):
+    """Logits and losses one block at a time, the packed mask one block's rows at a time and per-layer activation
+    checkpointing (each recomputed in the backward) give today's loss, stats and gradients at float32 tolerance."""
+    torch.manual_seed(0)
+    comp = DrafterComponent(make_config(*overrides), StageInputs(tiny_teacher), torch.device("cpu"))
+    drafter = comp.model.drafter if hasattr(comp.model, "drafter") else comp.model
+    batch = comp.batch(comp.step_items(0), 0)
+    assert int(batch["anchor_valid"].sum()) > 2
+
+    def step(sliced: bool):
+        comp.cfg.trainer.logits_chunk_mb = 1e-9 if sliced else 0.0  # one block per slice, or all at once
+        drafter.config.attention_chunk_mb = 1e-9 if sliced else 0.0
+        drafter.activation_checkpointing = sliced
+        comp.model.zero_grad()
+        loss, stats = comp.loss(comp.model, batch)
+        loss.backward()
+        return loss.detach(), stats, {n: p.grad.clone() for n, p in comp.model.named_parameters() if p.grad is not None}
+
+    assert len(comp.loss_slices(int(batch["anchor_valid"].sum()), comp.block_size - 1)) == 1
+    (whole, whole_stats, whole_grads), (sliced, sliced_stats, sliced_grads) = step(False), step(True)
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
+    assert whole_stats.keys() == sliced_stats.keys()
+    for k in whole_stats:
+        assert torch.equal(sliced_stats[k], whole_stats[k]), k
+    assert whole_grads.keys() == sliced_grads.keys() and len(whole_grads) > 5
+    for n, want in whole_grads.items():  # float32 sums in another order: equal to a millionth of the largest entry
+        assert (sliced_grads[n] - want).abs().max() <= 1e-5 * want.abs().max(), n
+
+
+def test_token_budget_steps_take_sequences_to_the_budget_and_cut_even_micro_batches():
+    from dflash_pipeline.data.splits import TokenBudgetSteps, split_points, step_batch
+
+    lengths = {i: 100 * (1 + i % 7) for i in range(40)}  # 100 .. 700 tokens
+    train = list(range(40))
+    steps = TokenBudgetSteps(train, lengths.__getitem__, seed=3, budget=1500, most=16)
+    batches = [steps(s, parts=2) for s in range(30)]
+    for b in batches:
+        tokens = sum(lengths[i] for i in b)
+        assert 2 <= len(b) <= 16 and 1500 <= tokens < 1500 + 700  # stops at the first sequence that reaches it
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)  # longest first
+    # the same stream of sequences as the fixed-count batches (epoch permutations), only cut by tokens
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == sorted(step_batch(train, 0, len(flat), 3))
+    assert TokenBudgetSteps(train, lengths.__getitem__, 3, 1500, 16)(17, parts=2) == batches[17]  # resumable
+    # one sequence longer than the budget still makes a step; every micro-batch gets one
+    assert len(TokenBudgetSteps(train, lambda i: 10**6, 3, 1500, 16)(0, parts=4)) == 4
+
+    assert split_points([1] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]  # equal counts: the fixed-count split
+    runs = split_points([700, 600, 500, 300, 200, 100, 100], 2)
+    assert runs == [(0, 2), (2, 7)]  # 1300 and 1200 tokens
+    with pytest.raises(ValueError, match="3 sequences cannot fill 4 micro-batches"):
+        split_points([1, 2, 3], 4)
+
+
 def test_rerun_of_a_killed_run_resumes_and_repeats_the_losses_of_an_uninterrupted_run(tiny_teacher, tmp_path, monkeypatch):
     cfg = make_config("trainer.steps=4", "trainer.save_every=2")
     full = run_train(cfg, tmp_path / "full", data_dir=tiny_teacher)

@@ -28,8 +28,10 @@ class TrainingComponent(Protocol):
     name: str
     model: torch.nn.Module  # what the optimizer trains (frozen parts are held outside its parameters)
 
-    def step_items(self, step: int) -> list:
-        """The global batch of `step` (every process computes it; each takes its slice): a function of (seed, step)."""
+    def step_items(self, step: int, parts: int = 1) -> list:
+        """The global batch of `step` (every process computes it; each takes its slice): a function of (seed, step).
+        parts: the micro-batches it is cut into over all processes (each needs an item). A component may also offer
+        `item_sizes(items)`, the cost of each item (tokens), for the loop to cut micro-batches of even cost."""
 
     def batch(self, items: list, step: int, slot0: int) -> Any:
         """One micro-batch of `items`, whose first item is slot `slot0` of the global batch."""

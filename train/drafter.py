@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from torch.utils.checkpoint import checkpoint
 
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
-from dflash_pipeline.data.splits import anchor_generators, split_heldout, step_batch, step_seed
+from dflash_pipeline.data.splits import (TokenBudgetSteps, anchor_generators, split_heldout, step_batch,
+                                         step_seed)
 from dflash_pipeline.data.producer import ProducerFeed
 from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
@@ -93,6 +95,7 @@ def drafter_config(cfg: DictConfig, target: Target, layer_ids: list[int]) -> DFl
         mask_token_id=d.mask_token_id if d.mask_token_id is not None else choose_mask_token(
             target.tokenizer, tc.vocab_size),
         attn_implementation=str(d.attn_implementation),
+        attention_chunk_mb=float(d.attention_chunk_mb),
     )
 
 
@@ -180,6 +183,8 @@ class DrafterComponent:
             raise DatasetError("trainer.loss=kl needs teacher top-k log-probs: rerun the teacher with "
                                "teacher.topk_logprobs=20 (or another k > 0)")
         self.train_idx, self.heldout_idx = split_heldout(self.data.ids, t.heldout_samples, t.train_samples)
+        self.budget_steps = TokenBudgetSteps(self.train_idx, self.data.length, cfg.seed, t.tokens_per_step or 0,
+                                             t.batch_sequences)
         self.feed = ProducerFeed(cfg, inputs.run_dir, self.data, self.heldout_idx) if produced else None
         self.dconf = drafter_config(cfg, self.target, self.data.layer_ids)
         self.block_size = self.dconf.block_size
@@ -198,6 +203,9 @@ class DrafterComponent:
             self.model.set_draft_vocab(self.frequent_tokens(t.draft_vocab_size))
         self.model.to(device)
         self.to_column = self.model.target_to_column()
+        vocab = self.model.draft_to_target
+        self.model_columns = self.dconf.vocab_size if vocab is None else len(vocab)  # the logits' width
+        self.model.activation_checkpointing = t.activation_checkpointing
         self.selector_weight = t.selector_loss_weight
         if self.selector_weight > 0:
             from dflash_pipeline.models.selector import PairSelector
@@ -228,8 +236,17 @@ class DrafterComponent:
         return torch.tensor(sorted(ranked[:n]))
 
     # -- data ------------------------------------------------------------------------------------------------
-    def step_items(self, step: int) -> list[int]:
-        return step_batch(self.train_idx, step, self.cfg.trainer.batch_sequences, self.cfg.seed)
+    def step_items(self, step: int, parts: int = 1) -> list[int]:
+        t = self.cfg.trainer
+        if t.tokens_per_step:
+            return self.budget_steps(step, parts)
+        return step_batch(self.train_idx, step, t.batch_sequences, self.cfg.seed)
+
+    def item_sizes(self, items: list[int]) -> list[int]:
+        """What micro-batches are balanced on: tokens under trainer.tokens_per_step, else equal counts."""
+        if not self.cfg.trainer.tokens_per_step:
+            return [1] * len(items)
+        return [self.data.length(i) for i in items]
 
     def items(self, indices: list[int], step: int | None = None, slot0: int = 0) -> list[dict]:
         """Teacher samples; online (trainer.online, or a tokens-only dataset) the features come from the target now
@@ -276,29 +293,25 @@ class DrafterComponent:
         return normaliser(kind, valid, self.gamma)
 
     # -- loss ------------------------------------------------------------------------------------------------
-    def forward_logits(self, model, batch: dict, with_hidden: bool = False):
-        """(logits (N, B-1, V), labels in logit columns (N, B-1), valid (N, B-1)) over the real blocks; with_hidden:
-        also the post-norm hidden (N, B, H) of those blocks."""
-        dev = self.device
-        b = {k: v.to(dev) for k, v in batch.items()}
-        hidden = model(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], b["anchor_valid"])
-        keep = b["anchor_valid"]
-        hidden = hidden[keep]
-        logits = drafter_of(model).logits(hidden[:, 1:])  # (N, B-1, V)
-        labels = self.to_column[b["labels"][keep]]
-        return (logits, labels, b["label_valid"][keep]) + ((hidden,) if with_hidden else ())
+    def block_targets(self, batch: dict) -> dict:
+        """What the loss of each real block needs besides its hidden states, on the device, one row per block:
+        labels in logit columns and as target ids, which carry a label, the anchor token, and the teacher's top-k."""
+        keep = batch["anchor_valid"].to(self.device)
+        ids = batch["labels"].to(self.device)[keep]
+        out = {"labels": self.to_column[ids], "ids": ids, "valid": batch["label_valid"].to(self.device)[keep],
+               "anchors": batch["block_ids"].to(self.device)[keep][:, 0]}
+        if self.cfg.trainer.loss == "kl":
+            out["teacher_ids"] = self.to_column[batch["topk_ids"].to(self.device)[keep]]
+            out["teacher_logprobs"] = batch["topk_logprobs"].to(self.device)[keep]
+        return out
 
-    def selector_loss(self, model, batch: dict, logits, labels, valid, hidden) -> tuple[torch.Tensor, dict]:
+    def selector_loss(self, selector, drafter, hidden, logits, targets: dict) -> tuple[torch.Tensor, dict]:
         """DFlash2 joint training: the selector's CE over the live drafter's top-K with the true predecessor
         (models/selector.py selector_loss), with the position weights of the block loss. Nothing is detached but
         the weights, so the selector's loss also trains the drafter's hidden states and logits."""
         from dflash_pipeline.models.selector import selector_loss
 
-        t, drafter = self.cfg.trainer, drafter_of(model)
-        selector = getattr(model, "module", model).selector
-        keep = batch["anchor_valid"]
-        ids = batch["labels"][keep].to(self.device)  # target ids (-100 past the end)
-        anchors = batch["block_ids"][keep][:, 0].to(self.device)
+        t, labels, valid, ids = self.cfg.trainer, targets["labels"], targets["valid"], targets["ids"]
         U, idx = logits.float().topk(selector.top_k, dim=-1)
         if t.loss == "dpace":
             q = torch.softmax(logits.detach().float(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
@@ -306,25 +319,52 @@ class DrafterComponent:
         else:
             weights = decay_weights(labels.shape[1], self.gamma, self.device).expand_as(labels)
         return selector_loss(selector, hidden[:, 1:], drafter.to_target_ids(idx), U,
-                             torch.cat([anchors[:, None], ids[:, :-1]], 1), ids, valid, weights)
+                             torch.cat([targets["anchors"][:, None], ids[:, :-1]], 1), ids, valid, weights)
 
-    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
-        logits, labels, valid, hidden = self.forward_logits(model, batch, with_hidden=True)
-        t = self.cfg.trainer
-        extra = {}
-        if t.loss == "kl":
-            keep = batch["anchor_valid"].to(self.device)
-            extra = {"teacher_ids": self.to_column[batch["topk_ids"].to(self.device)[keep]],
-                     "teacher_logprobs": batch["topk_logprobs"].to(self.device)[keep]}
+    def blocks_loss(self, model, hidden: torch.Tensor, targets: dict) -> tuple[torch.Tensor, dict]:
+        """Loss SUM and stats of some real blocks: their logits through the target's head, the block loss, the top-1
+        hits, and trained jointly the selector's loss. Every term is a sum over blocks, so slices of blocks add up."""
+        t, drafter = self.cfg.trainer, drafter_of(model)
+        logits = drafter.logits(hidden[:, 1:])  # (n, B-1, V)
+        labels, valid = targets["labels"], targets["valid"]
+        extra = {k: targets[k] for k in ("teacher_ids", "teacher_logprobs") if k in targets}
         loss_sum = block_loss(logits, labels, valid, kind=t.loss, gamma=self.gamma, alpha=t.dpace_alpha, **extra)
         with torch.no_grad():
-            correct = (logits.argmax(-1) == labels) & (labels >= 0)
-        stats = {"correct": correct, "valid": valid}
+            stats = {"correct": (logits.argmax(-1) == labels) & (labels >= 0), "valid": valid}
         if self.selector_weight > 0:  # divided by the block loss's normaliser too: one weighted sum of the two
-            sel_sum, sel_stats = self.selector_loss(model, batch, logits, labels, valid, hidden)
+            sel_sum, sel_stats = self.selector_loss(getattr(model, "module", model).selector, drafter, hidden, logits,
+                                                    targets)
             loss_sum = loss_sum + self.selector_weight * sel_sum
             stats.update({f"selector_{k}": v for k, v in sel_stats.items()})
         return loss_sum, stats
+
+    def loss_slices(self, blocks: int, positions: int) -> list[slice]:
+        """Slices of blocks whose logits fit trainer.logits_chunk_mb (float32, the loss's own precision)."""
+        budget, columns = self.cfg.trainer.logits_chunk_mb, self.model_columns
+        step = blocks if budget <= 0 else max(1, int(budget * 2**20 // (4 * positions * columns)))
+        return [slice(j, j + step) for j in range(0, max(blocks, 1), step)]
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        """The drafter's forward over the packed blocks, then the loss of the real blocks slice by slice
+        (loss_slices): at most one slice's logits exist at a time, forward and backward, as each slice is recomputed
+        from its hidden states in the backward (torch.utils.checkpoint). One slice is the whole-logits path exactly."""
+        b = {k: v.to(self.device) for k, v in batch.items()}
+        hidden = model(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], b["anchor_valid"])
+        hidden, targets = hidden[b["anchor_valid"]], self.block_targets(b)  # (N, B, H), one row per real block
+        slices = self.loss_slices(*targets["labels"].shape)
+        if len(slices) == 1:
+            return self.blocks_loss(model, hidden, targets)
+        grad = torch.is_grad_enabled() and hidden.requires_grad
+        loss_sum, stats = 0.0, []
+        for part in slices:
+            piece = {k: v[part] for k, v in targets.items()}
+            args = (model, hidden[part], piece)
+            part_sum, part_stats = (checkpoint(self.blocks_loss, *args, use_reentrant=False) if grad
+                                    else self.blocks_loss(*args))
+            loss_sum, stats = loss_sum + part_sum, stats + [part_stats]
+        merged = {k: torch.cat([s[k] for s in stats]) for k in ("correct", "valid")}
+        merged.update({k: sum(s[k] for s in stats) for k in stats[0] if k.startswith("selector_")})
+        return loss_sum, merged
 
     def work(self, batch: dict) -> dict[str, int]:
         return {"anchor_blocks": int(batch["anchor_valid"].sum()), "tokens": int(batch["context_valid"].sum())}

@@ -25,6 +25,7 @@ from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.runtime.stages import config_hash, recorded_hash, train_stage
 from dflash_pipeline.data.files import follow_umask
+from dflash_pipeline.data.splits import split_points
 from dflash_pipeline.conf import catalogue
 from dflash_pipeline.train.component import StageInputs, TrainingComponent
 from dflash_pipeline.train.drafter import DrafterComponent
@@ -223,16 +224,15 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
     model, optimizer, scheduler = parallel.model, parallel.optimizer, parallel.scheduler
     params = [p for p in model.parameters() if p.requires_grad]
     prefix = "" if stage.name == "drafter" else f"{stage.name} "
-    per_rank = t.batch_sequences // world
-    micro = per_rank // t.grad_accum
+    parts = world * t.grad_accum  # micro-batches of a step over all processes
     model.train()
     clock, seen = time.perf_counter(), {}
     bar = Progress(stage.label, t.steps, "step", initial=start, enabled=accelerator.is_main_process)
     for step in range(start, t.steps):
-        items = comp.step_items(step)
-        mine = items[rank * per_rank: (rank + 1) * per_rank]
-        batches = [comp.batch(mine[m * micro: (m + 1) * micro], step, rank * per_rank + m * micro)
-                   for m in range(t.grad_accum)]
+        items = comp.step_items(step, parts)
+        sizes = comp.item_sizes(items) if hasattr(comp, "item_sizes") else [1] * len(items)
+        runs = split_points(sizes, parts)[rank * t.grad_accum: (rank + 1) * t.grad_accum]
+        batches = [comp.batch(items[a:b], step, a) for a, b in runs]
         norm = accelerator.reduce(torch.tensor(sum(comp.normaliser(b) for b in batches),
                                                device=accelerator.device), "sum").item()
         loss_total, step_stats = 0.0, []
