@@ -213,6 +213,8 @@ class DataConfig:
     skip: int = ranged(0, ge=0)
     num_samples: Optional[int] = ranged(64, ge=1)  # None: all
     max_prompt_tokens: int = ranged(512, ge=1)
+    # only conversations with at least this many tokens over all their turns (long-sequence recipes); 0: any
+    min_tokens: int = ranged(0, ge=0)
 
 
 @dataclass

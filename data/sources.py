@@ -56,6 +56,7 @@ def load_conversations(
     skip: int = 0,
     tokenizer=None,
     max_prompt_tokens: int | None = None,
+    min_tokens: int = 0,
     name: str | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
@@ -64,7 +65,8 @@ def load_conversations(
     path: the file for "file", the dataset name for "hf", an optional replacement for the embedded file otherwise.
     name: the dataset configuration for "hf".
     Filters: no user prompt or an empty one, first non-system turn from the assistant, unknown roles, and (with a
-    tokenizer) a first user prompt longer than max_prompt_tokens. Reading stops as soon as `limit` are selected,
+    tokenizer) a first user prompt longer than max_prompt_tokens, and conversations whose turns hold fewer than
+    min_tokens tokens in all (long-sequence recipes: whole conversations as long as reasoning traces). Reading stops as soon as `limit` are selected,
     so a small slice of ShareGPT neither parses the whole file nor tokenizes every prompt.
     """
     if source not in SOURCES:
@@ -75,8 +77,8 @@ def load_conversations(
         raise ValueError(f"heldout_fraction must be in [0, 1], got {heldout_fraction}")
     if skip < 0 or (limit is not None and limit < 1):
         raise ValueError(f"need skip >= 0 and limit >= 1 (or None), got skip={skip}, limit={limit}")
-    if max_prompt_tokens is not None and tokenizer is None:
-        raise ValueError("max_prompt_tokens needs a tokenizer to measure prompts")
+    if (max_prompt_tokens is not None or min_tokens) and tokenizer is None:
+        raise ValueError("max_prompt_tokens and min_tokens need a tokenizer to measure conversations")
 
     label = source if path is None else f"{source} {path}"
     counts = Counter()
@@ -96,6 +98,9 @@ def load_conversations(
             if len(tokenizer(prompt)["input_ids"]) > max_prompt_tokens:
                 counts["too long"] += 1
                 continue
+        if min_tokens and sum(len(tokenizer(m["content"])["input_ids"]) for m in conv["messages"]) < min_tokens:
+            counts["too short"] += 1
+            continue
         passed += 1
         if passed <= skip:
             continue
@@ -104,6 +109,7 @@ def load_conversations(
             break
 
     too_long = f", {counts['too long']} with prompts over {max_prompt_tokens} tokens" if max_prompt_tokens else ""
+    too_long += f", {counts['too short']} under {min_tokens} tokens in all" if min_tokens else ""
     summary = (
         f"read {counts['read']}; dropped {counts['empty']} empty, {counts['assistant first']} starting with the "
         f"assistant, {counts['malformed']} with malformed roles{too_long}; {counts['other split']} in the other "
@@ -112,7 +118,7 @@ def load_conversations(
     if not selected:
         raise DataSourceError(
             f"{label} produced no conversations after filtering ({summary}); check the path, "
-            f"split={split!r}, skip={skip}, max_prompt_tokens={max_prompt_tokens}"
+            f"split={split!r}, skip={skip}, max_prompt_tokens={max_prompt_tokens}, min_tokens={min_tokens}"
         )
     log(f"{label}: kept {len(selected)} conversations (split={split}); {summary}")
     return selected

@@ -95,11 +95,16 @@ def prefill_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_id
     """Samples of `convs` with their own replies: features and the target's top-k captured in one prefill per
     sequence; `targets` at each token is the target's greedy choice there (the label training uses)."""
     t, tok = cfg.teacher, target.tokenizer
-    samples = []
+    samples, most, cut = [], target.config.max_position_embeddings, 0
     for c in convs:
         ids, mask = chat_with_replies(tok, c["messages"], t.max_turns, t.max_new_tokens)
+        if len(ids) > most:  # past the target's context its features and labels mean nothing
+            ids, mask, cut = ids[:most], mask[:most], cut + 1
         samples.append({"id": PREFILLED + c["id"], "input_ids": ids, "loss_mask": mask,
                         "num_turns": min(t.max_turns, sum(m["role"] == "assistant" for m in c["messages"]))})
+    if cut:
+        log.info("teacher: %d of %d prefilled conversations cut to the target's context of %d tokens", cut,
+                 len(convs), most)
     outs = capture_batched(target.model, [s["input_ids"] for s in samples], layer_ids, pad_id=tok.pad_token_id,
                            max_tokens=t.capture_batch_tokens, topk=t.topk_logprobs, final=True)
     for s, o in zip(samples, outs):
@@ -310,7 +315,8 @@ def teacher_conversations(cfg: DictConfig, target: Target, note) -> list[dict]:
     limit = None if d.num_samples is None else d.num_samples + extra
     convs = load_conversations(d.source, path=d.path, name=d.name, split=d.split,
                                heldout_fraction=d.heldout_fraction, limit=limit, skip=d.skip,
-                               tokenizer=target.tokenizer, max_prompt_tokens=d.max_prompt_tokens, log=note)
+                               tokenizer=target.tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                               min_tokens=d.min_tokens, log=note)
     first = {"regenerate": len(convs), "prefill": 0, "mixed": len(convs) - extra}[str(t.mode)]
     for i, c in enumerate(convs):
         c["prefill"] = i >= first

@@ -136,26 +136,36 @@ class PackedMask:
     def num_keys(self) -> int:
         return self.num_context + self.num_blocks * self.block_size
 
-    def dense(self, first: int = 0, last: int | None = None) -> torch.Tensor:
-        """The rows of blocks first..last-1: (Bc, 1, (last-first)*B, Tc + Nb*B) bool, True = may attend."""
+    def dense(self, first: int = 0, last: int | None = None, context: int | None = None) -> torch.Tensor:
+        """The rows of blocks first..last-1 over all keys: (Bc, 1, (last-first)*B, Tc + Nb*B) bool, True = may attend.
+        With `context`: over the first `context` context keys and these blocks' own keys only,
+        (Bc, 1, (last-first)*B, context + (last-first)*B): all a slice of blocks can see, when context >= its
+        largest anchor."""
         last = self.num_blocks if last is None else last
         anchor, device = self.anchor_pos[:, first:last], self.anchor_pos.device
-        sees_context = torch.arange(self.num_context, device=device) < anchor[..., None]  # (Bc, n, Tc)
+        width = self.num_context if context is None else context
+        sees_context = torch.arange(width, device=device) < anchor[..., None]  # (Bc, n, width)
         if self.context_valid is not None:
-            sees_context = sees_context & self.context_valid[:, None, :].bool()
+            sees_context = sees_context & self.context_valid[:, None, :width].bool()
         if self.anchor_valid is not None:
             sees_context = sees_context & self.anchor_valid[:, first:last, None].bool()
-        sees_context = sees_context.repeat_interleave(self.block_size, dim=1)  # (Bc, n*B, Tc)
+        sees_context = sees_context.repeat_interleave(self.block_size, dim=1)  # (Bc, n*B, width)
         query_block = torch.arange(first, last, device=device).repeat_interleave(self.block_size)
-        key_block = torch.arange(self.num_blocks, device=device).repeat_interleave(self.block_size)
+        key_block = query_block if context is not None else \
+            torch.arange(self.num_blocks, device=device).repeat_interleave(self.block_size)
         sees_block = (query_block[:, None] == key_block[None, :]).expand(anchor.shape[0], -1, -1)
         return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
     def row_chunks(self) -> list[tuple[int, int]]:
-        """(first, last) block ranges whose dense rows (bool + the float copy SDPA makes) fit chunk_mb."""
-        per_block = 5 * self.anchor_pos.shape[0] * self.block_size * self.num_keys
-        step = self.num_blocks if self.chunk_mb <= 0 else max(1, int(self.chunk_mb * 2**20 // per_block))
-        return [(j, min(j + step, self.num_blocks)) for j in range(0, self.num_blocks, step)]
+        """(first, last) block ranges whose own mask (bool + the float copy SDPA makes, over the context and their
+        own blocks) fits chunk_mb; one range, all blocks, when the whole mask does."""
+        Bc, B, Tc, Nb = self.anchor_pos.shape[0], self.block_size, self.num_context, self.num_blocks
+        budget = self.chunk_mb * 2**20
+        if budget <= 0 or 5 * Bc * Nb * B * self.num_keys <= budget:
+            return [(0, Nb)]
+        a, b = 5 * Bc * B * B, 5 * Bc * B * Tc  # bytes of n blocks' rows: a n^2 + b n
+        step = max(1, int((-b + (b * b + 4 * a * budget) ** 0.5) / (2 * a)))
+        return [(j, min(j + step, Nb)) for j in range(0, Nb, step)]
 
     def sees(self, b, q, kv):
         """The same rule as `dense`, for one (query, key) index pair of sequence b (flex_attention's mask_mod)."""
@@ -200,21 +210,27 @@ def eager_attention(q, k, v, mask: PackedMask | None):
 
 def sdpa_attention(q, k, v, mask: PackedMask | None):
     """torch's fused kernels, same arguments. K/V heads are repeated here: SDPA's own GQA (enable_gqa) falls back to
-    the math kernel on CUDA when a mask is given. The packed mask goes in slices of rows (PackedMask.row_chunks);
-    with gradients, each slice's attention is recomputed in the backward (torch.utils.checkpoint), so no slice of the
-    mask, nor the float copy SDPA makes of it, outlives its own slice of the forward."""
+    the math kernel on CUDA when a mask is given.
+
+    A packed mask larger than its budget (PackedMask.row_chunks) goes slice by slice of blocks, each slice attending
+    to the context up to its largest anchor and to its own blocks only, so time and memory grow with anchors x
+    context instead of anchors x (context + anchors); with gradients, each slice is recomputed in the backward
+    (torch.utils.checkpoint), so no slice's mask, keys or float mask copy outlive its own forward."""
     groups = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v)
-    chunks = mask.row_chunks()
+    chunks = [(0, 0)] if mask is None else mask.row_chunks()
     if len(chunks) == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense())
+        return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups),
+                                              attn_mask=None if mask is None else mask.dense())
+    B, Tc = mask.block_size, mask.num_context
 
     def rows(first, last, q_rows, k, v):
-        return F.scaled_dot_product_attention(q_rows, k, v, attn_mask=mask.dense(first, last))
+        seen = int(mask.anchor_pos[:, first:last].max().clamp(min=0, max=Tc))  # no block sees context past it
+        keys = torch.cat([k[:, :, :seen], k[:, :, Tc + first * B:Tc + last * B]], dim=2)
+        values = torch.cat([v[:, :, :seen], v[:, :, Tc + first * B:Tc + last * B]], dim=2)
+        return F.scaled_dot_product_attention(q_rows, repeat_kv(keys, groups), repeat_kv(values, groups),
+                                              attn_mask=mask.dense(first, last, context=seen))
 
-    B, grad = mask.block_size, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     outs = []
     for first, last in chunks:
         args = (first, last, q[:, :, first * B:last * B], k, v)

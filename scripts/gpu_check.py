@@ -13,6 +13,9 @@ A random-weight target of Qwen3-8B's shape (bf16, built on the device) and a pap
 the target's width, block 16, 5 tapped layers) on it; then, each section timed:
 - costs     eval/policies.py measure_costs after a prefill of random tokens: c(n) = verify n tokens / 1 token,
             n = 1..16, the drafter's block forward, a plain AR step, and trees of 16..128 nodes, in the same unit;
+- kernels   the drafter's attention kernels on one packed batch in float32 (flex_attention compiled with its block
+            mask; sdpa with the whole mask and in row slices): outputs and gradients against eager (the largest
+            difference relative to the largest entry), and ms per forward + backward of each;
 - train     packed multi-anchor drafter steps (data/blocks.py pack_blocks, train/losses.py decay loss) on features
             the target computes for random sequences (models/generation.py recapture), AdamW with float32 weights
             under autocast in the target's dtype (what train/loop.py gets from accelerate's bf16): block positions
@@ -70,7 +73,7 @@ SCALES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=1000),
 }
 MASK_TOKEN = {"qwen3_8b": 151669, "tiny": 999}  # Qwen3: the first embedding row past its 151669-token tokenizer
-OPTIONAL = ("costs", "train", "decodes", "fsdp", "dflash2")  # what --skip may leave out
+OPTIONAL = ("costs", "kernels", "train", "decodes", "fsdp", "dflash2")  # what --skip may leave out
 # The dflash2 section's target: the tiny family at a head_dim vLLM's attention kernels take, weights large enough
 # (initializer_range) that greedy picks are not near-ties; taps as models/target.py default_layer_ids(4, 2).
 DFLASH2_TARGET = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -224,6 +227,48 @@ def random_ids(n: int, low_vocab: int, gen) -> list[int]:
     import torch
 
     return torch.randint(0, low_vocab, (n,), generator=gen).tolist()
+
+
+def kernels(run: Run, res: dict, drafter, args, gen) -> None:
+    """flex_attention (compiled, with the packed block mask) and sdpa (whole mask, row slices) against eager: the
+    training step's outputs and gradients on one packed batch, and the time of each (tests/test_drafter_modules.py
+    checks flex's forward on a CPU, where torch has no flex backward)."""
+    import torch
+
+    from dflash_pipeline.data.blocks import pack_blocks
+
+    device, conf = run.device, drafter.config
+    width = len(conf.target_layer_ids) * conf.target_hidden_size
+    items = [{"input_ids": torch.tensor(random_ids(args.train_len, conf.mask_token_id, gen)),
+              "loss_mask": torch.arange(args.train_len) > 0, "features": torch.randn(args.train_len, width)}
+             for _ in range(2)]
+    b = {k: v.to(device) for k, v in pack_blocks(items, block_size=BLOCK, mask_token_id=conf.mask_token_id,
+                                                  anchors_per_sequence=args.anchors).items()}
+    drafter.float().train()
+    kept = {"attn_implementation": conf.attn_implementation, "attention_chunk_mb": conf.attention_chunk_mb}
+    results = {}
+    paths = [("eager", "eager", 0.0), ("sdpa", "sdpa", 0.0), ("sdpa_sliced", "sdpa", 1.0)]
+    paths += [("flex", "flex", 0.0)] if device.type == "cuda" else []  # no flex backward on a CPU
+    for name, impl, chunk_mb in paths:
+        conf.attn_implementation, conf.attention_chunk_mb = impl, chunk_mb
+        times = []
+        for _ in range(3):  # the first also compiles
+            drafter.zero_grad(set_to_none=True)
+            run.sync()
+            t0 = time.perf_counter()
+            hidden = drafter(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], b["anchor_valid"])
+            drafter.logits(hidden[b["anchor_valid"]][:, 1:]).float().logsumexp(-1).sum().backward()
+            run.sync()
+            times.append(time.perf_counter() - t0)
+        results[name] = (hidden.detach(), {n: p.grad.detach().clone() for n, p in drafter.named_parameters()})
+        res[f"{name}_ms"] = 1e3 * min(times[1:])
+    conf.attn_implementation, conf.attention_chunk_mb = kept["attn_implementation"], kept["attention_chunk_mb"]
+    drafter.zero_grad(set_to_none=True)
+    want_out, want_grads = results.pop("eager")
+    for name, (out, grads) in results.items():
+        res[f"{name}_out_rel_diff"] = float((out - want_out).abs().max() / want_out.abs().max())
+        res[f"{name}_grad_rel_diff"] = max(float((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
+                                           for n, g in want_grads.items())
 
 
 def train(run: Run, res: dict, model, drafter, args, dtype, gen) -> None:
@@ -715,6 +760,9 @@ def main() -> int:
             drafter.to(dtype).eval()
             res.update(measure_costs(target, drafter, random_ids(args.context, drafter.config.mask_token_id, gen),
                                      BLOCK, repeats=args.cost_repeats, tree_sizes=TREE_SIZES))
+    if "kernels" not in args.skip:
+        with run.section("kernels") as res:
+            kernels(run, res, drafter, args, gen)
     if "train" not in args.skip:
         with run.section("train") as res:
             train(run, res, model, drafter, args, dtype, gen)

@@ -200,7 +200,7 @@ def with_kernel(model: DFlashDrafter, name: str) -> DFlashDrafter:
     model.set_attn_implementation(name.removesuffix("-sliced"))
     if name.endswith("-sliced"):
         model.config.attention_chunk_mb = 1e-9  # one block's rows at a time
-        assert len(PackedMask(torch.zeros(1, 3, dtype=torch.long), 12, B, chunk_mb=1e-9).row_chunks()) == 3
+        assert len(PackedMask(torch.ones(1, 3, dtype=torch.long), 12, B, chunk_mb=1e-9).row_chunks()) == 3
     return model
 
 
