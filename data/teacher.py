@@ -91,7 +91,8 @@ def chat_with_replies(tokenizer, messages: list[dict], max_turns: int, max_reply
     return ids, mask
 
 
-def prefill_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_ids: list[int]) -> list[dict]:
+def prefill_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_ids: list[int],
+                    progress: Progress | None = None) -> list[dict]:
     """Samples of `convs` with their own replies: features and the target's top-k captured in one prefill per
     sequence; `targets` at each token is the target's greedy choice there (the label training uses)."""
     t, tok = cfg.teacher, target.tokenizer
@@ -106,7 +107,8 @@ def prefill_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_id
         log.info("teacher: %d of %d prefilled conversations cut to the target's context of %d tokens", cut,
                  len(convs), most)
     outs = capture_batched(target.model, [s["input_ids"] for s in samples], layer_ids, pad_id=tok.pad_token_id,
-                           max_tokens=t.capture_batch_tokens, topk=t.topk_logprobs, final=True)
+                           max_tokens=t.capture_batch_tokens, topk=t.topk_logprobs, final=True,
+                           done_callback=None if progress is None else progress.update)
     for s, o in zip(samples, outs):
         final = o.pop("final_hidden")
         s.update(o)
@@ -179,7 +181,7 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
         settings = dict(max_new_tokens=t.max_new_tokens, eos_ids=eos_ids, pad_id=tok.pad_token_id,
                         temperature=t.temperature, top_p=t.top_p, generators=gens,
                         on_step=on_step if progress else None, batch_size=t.batch_size,
-                        prefill_tokens=t.prefill_batch_tokens)
+                        prefill_tokens=t.prefill_batch_tokens, max_len=max_len)
         prompts = [s["input_ids"] for s in todo]
         if engine is not None:
             replies = engine.generate(prompts, t.max_new_tokens, sorted(eos_ids), batch=True)["outputs"]
@@ -237,9 +239,7 @@ def teacher_samples(target: Target, convs: list[dict], cfg: DictConfig, layer_id
     add_features(target, samples, layer_ids, cfg, engine)
     prefilled = [c for c in convs if c.get("prefill")]
     if prefilled:
-        samples += prefill_samples(target, prefilled, cfg, layer_ids)
-        if progress is not None:
-            progress.update(len(prefilled))
+        samples += prefill_samples(target, prefilled, cfg, layer_ids, progress)
     if cfg.teacher.mode != "regenerate":
         for s in samples:
             s.setdefault("targets", list(s["input_ids"]))

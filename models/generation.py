@@ -48,8 +48,9 @@ class ContinuousBatch:
     def __init__(self, model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                  temperature: float = 0.0, top_p: float = 1.0, generators: list[torch.Generator] | None = None,
                  on_step: Callable[[int, list[int]], None] | None = None, batch_size: int | None = None,
-                 prefill_tokens: int | None = None, taps: list[int] | None = None):
+                 prefill_tokens: int | None = None, taps: list[int] | None = None, max_len: int | None = None):
         self.model, self.prompts, self.max_new_tokens, self.pad_id = model, prompts, max_new_tokens, pad_id
+        self.max_len = max_len or 1 << 62  # prompt + reply: a reply ends at the target's context
         self.eos = set(eos_ids)
         self.temperature, self.top_p, self.generators, self.on_step = temperature, top_p, generators, on_step
         self.batch_size = batch_size or len(prompts)
@@ -98,7 +99,8 @@ class ContinuousBatch:
         for r, t, lv in zip(rows, picked.tolist(), live):
             if lv:
                 self.replies[r].append(t)
-            goes_on.append(lv and t not in self.eos and len(self.replies[r]) < self.max_new_tokens)
+            goes_on.append(lv and t not in self.eos and len(self.replies[r]) < self.max_new_tokens
+                           and len(self.prompts[r]) + len(self.replies[r]) < self.max_len)
         if self.on_step:
             self.on_step(sum(live), [r for r, g, lv in zip(rows, goes_on, live) if lv and not g])
         return picked, goes_on
@@ -268,9 +270,11 @@ def budget_batches(sequences: list, max_rows: int, max_tokens: int) -> list[list
 
 
 def capture_batched(model, sequences: list[list[int]], layer_ids: list[int], *, pad_id: int, max_tokens: int = 8192,
-                    topk: int = 0, final: bool = False, prenorm_final: bool = False) -> list[dict[str, torch.Tensor]]:
+                    topk: int = 0, final: bool = False, prenorm_final: bool = False,
+                    done_callback=None) -> list[dict[str, torch.Tensor]]:
     """capture() in length-sorted batches of at most `max_tokens` (rows x longest), so one long sequence does not
-    pad every row of a single batch to its length; results in the order of `sequences`."""
+    pad every row of a single batch to its length; results in the order of `sequences`. done_callback(n) after
+    each batch of n sequences (progress: a long sequence's prefill takes a CPU minutes)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     results: list[dict] = [{}] * len(sequences)
     done = 0
@@ -278,6 +282,8 @@ def capture_batched(model, sequences: list[list[int]], layer_ids: list[int], *, 
         for out in capture(model, batch, layer_ids, pad_id=pad_id, topk=topk, final=final, prenorm_final=prenorm_final):
             results[order[done]] = out
             done += 1
+        if done_callback is not None:
+            done_callback(len(batch))
     return results
 
 

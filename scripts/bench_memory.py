@@ -1,8 +1,10 @@
 """Benchmark: peak memory and time of one drafter training step per (shape, tokens, anchors), before and after the
 memory savers, side by side in one run.
 
-    python scripts/bench_memory.py [--shape smollm2 qwen3_8b] [--cases 2048x256 8192x512] [--paths before after]
-                                   [--limit-gb 18] [--threads 2]
+    python scripts/bench_memory.py [--shape smollm2 qwen3_8b] [--cases 2048x256 8192x512 smollm2:32768x1024]
+                                   [--paths before after] [--limit-gb 18] [--threads 2]
+
+A case is TOKENSxANCHORS for every --shape, or SHAPE:TOKENSxANCHORS for one.
 
 One step is what the training loop runs for the drafter (train/drafter.py DrafterComponent.loss, then backward):
 `DFlashDrafter.forward_packed` over one sequence of T tokens with A anchor blocks (block 16), the target's LM head
@@ -115,7 +117,7 @@ def child(shape: str, tokens: int, anchors: int, path: str, limit_gb: float, thr
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["smollm2", "qwen3_8b"])
-    ap.add_argument("--cases", nargs="+", default=["2048x256", "8192x512"], help="TOKENSxANCHORS")
+    ap.add_argument("--cases", nargs="+", default=["2048x256", "8192x512"], help="[SHAPE:]TOKENSxANCHORS")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=["before", "after"])
     ap.add_argument("--limit-gb", type=float, default=18.0, help="most memory above the weights a case may take")
     ap.add_argument("--threads", type=int, default=2)
@@ -135,7 +137,10 @@ def main() -> None:
     rows = []
     for shape in a.shape:
         for case in a.cases:
-            tokens, anchors = map(int, case.split("x"))
+            only, _, size = case.rpartition(":")
+            if only and only != shape:
+                continue
+            tokens, anchors = map(int, size.split("x"))
             for path in a.paths:
                 args = dict(shape=shape, tokens=tokens, anchors=anchors, path=path, limit_gb=a.limit_gb,
                             threads=a.threads)

@@ -150,6 +150,19 @@ def test_max_prompt_tokens_filters_long_prompts(tmp_path):
     assert calls == ["one two three"]  # stops tokenizing once the limit is reached
 
 
+def test_min_tokens_keeps_long_conversations_only(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d e"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    path = _jsonl(tmp_path / "chats.jsonl", rows)
+    lines, log = _capture()
+    convs = load_conversations("file", path=path, split="all", tokenizer=lambda t: {"input_ids": t.split()},
+                               min_tokens=5, log=log)
+    assert [c["id"] for c in convs] == ["0"]  # 2 + 3 tokens over all its turns; the other has 2
+    assert "1 under 5 tokens in all" in lines[-1]
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        load_conversations("file", path=path, split="all", min_tokens=5)
+
+
 def test_unknown_source_and_empty_result():
     with pytest.raises(ValueError, match="valid sources: sharegpt, mtbench, humaneval, file, hf"):
         load_conversations("alpaca")

@@ -323,6 +323,9 @@ def test_continuous_batching_replies_equal_one_prompt_at_a_time(sampling):
     assert len({len(r) for r in single}) > 3, "replies of many lengths: rows leave and are replaced mid-batch"
     batched = generate(model, prompts, generators=gens(), batch_size=3, prefill_tokens=24, **common)
     assert batched == single
+    # the target's context: a reply stops where prompt + reply reach max_len, whatever max_new_tokens says
+    capped = generate(model, prompts, generators=gens(), batch_size=3, max_len=20, **common)
+    assert capped == [r[:max(0, 20 - len(p))] or r[:1] for p, r in zip(prompts, single)]
 
 
 @pytest.mark.slow

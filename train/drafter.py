@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.checkpoint import checkpoint
 
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.data.shards import DatasetError
@@ -27,7 +26,7 @@ from dflash_pipeline.models.target import Target, config_value, final_norm, text
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import (block_loss, decay_weights, default_gamma, dpace_weights, effective_valid,
-                                         normaliser)
+                                         normaliser, sliced_loss)
 
 log = logging.getLogger(__name__)
 # The K of the held-out Recall@K that training logs (eval.recall_k is the eval stage's: reading it here would tie
@@ -346,22 +345,19 @@ class DrafterComponent:
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         """The drafter's forward over the packed blocks, then the loss of the real blocks slice by slice
-        (loss_slices): at most one slice's logits exist at a time, forward and backward, as each slice is recomputed
-        from its hidden states in the backward (torch.utils.checkpoint). One slice is the whole-logits path exactly."""
+        (loss_slices, train/losses.py sliced_loss): at most one slice's logits exist at a time, each slice's gradient
+        taken as it is computed. One slice is the whole-logits path exactly."""
         b = {k: v.to(self.device) for k, v in batch.items()}
         hidden = model(b["features"], b["block_ids"], b["anchor_pos"], b["context_valid"], b["anchor_valid"])
         hidden, targets = hidden[b["anchor_valid"]], self.block_targets(b)  # (N, B, H), one row per real block
         slices = self.loss_slices(*targets["labels"].shape)
         if len(slices) == 1:
             return self.blocks_loss(model, hidden, targets)
-        grad = torch.is_grad_enabled() and hidden.requires_grad
-        loss_sum, stats = 0.0, []
-        for part in slices:
-            piece = {k: v[part] for k, v in targets.items()}
-            args = (model, hidden[part], piece)
-            part_sum, part_stats = (checkpoint(self.blocks_loss, *args, use_reentrant=False) if grad
-                                    else self.blocks_loss(*args))
-            loss_sum, stats = loss_sum + part_sum, stats + [part_stats]
+        selector = getattr(getattr(model, "module", model), "selector", None)
+        params = [p for p in selector.parameters() if p.requires_grad] if self.selector_weight > 0 else []
+        loss_sum, stats = sliced_loss(
+            lambda h, part: self.blocks_loss(model, h, {k: v[part] for k, v in targets.items()}), hidden, slices,
+            params)
         merged = {k: torch.cat([s[k] for s in stats]) for k in ("correct", "valid")}
         merged.update({k: sum(s[k] for s in stats) for k in stats[0] if k.startswith("selector_")})
         return loss_sum, merged

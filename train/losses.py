@@ -83,3 +83,48 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
         return (ce * decay_weights(labels.shape[1], gamma, logits.device) * valid).sum()
     q = torch.where(valid, torch.exp(-ce.detach()), 0.0)  # a label outside the draft vocabulary: q = 0
     return (ce * dpace_weights(q, has_label, alpha, valid) * valid).sum()
+
+
+class _SlicedLoss(torch.autograd.Function):
+    """A loss SUM over slices whose gradient is taken in the forward, slice by slice, then scaled in the backward (as
+    fused linear cross entropy kernels do): only one slice's logits ever exist, and nothing is recomputed."""
+
+    @staticmethod
+    def forward(ctx, fn, slices, sink, hidden, *params):
+        grad_hidden, grad_params = torch.zeros_like(hidden), [torch.zeros_like(p) for p in params]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for part in slices:
+            with torch.enable_grad():
+                h = hidden[part].detach().requires_grad_(True)
+                loss, stats = fn(h, part)
+                grads = torch.autograd.grad(loss, [h, *params], allow_unused=True)
+            grad_hidden[part] = grads[0]
+            for acc, g in zip(grad_params, grads[1:]):
+                if g is not None:
+                    acc += g
+            total += loss.detach().float()
+            sink.append(stats)
+        ctx.save_for_backward(grad_hidden, *grad_params)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_hidden, *grad_params = ctx.saved_tensors
+        return (None, None, None, grad_hidden * grad_out.to(grad_hidden.dtype),
+                *(g * grad_out.to(g.dtype) for g in grad_params))
+
+
+def sliced_loss(fn, hidden: torch.Tensor, slices: list, params: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """sum over `slices` of fn(hidden[part], part) -> (loss SUM, stats), with the list of each slice's stats.
+
+    With gradients, each slice's gradient (to hidden and to `params`, the trainable tensors fn uses besides hidden)
+    is computed in the forward and its logits freed at once: memory holds one slice's logits, and the backward
+    costs no second pass over the LM head. Without, a plain loop."""
+    sink: list = []
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return _SlicedLoss.apply(fn, slices, sink, hidden, *params), sink
+    total = 0.0
+    for part in slices:
+        loss, stats = fn(hidden[part], part)
+        total, sink = total + loss, sink + [stats]
+    return total, sink
