@@ -43,6 +43,9 @@ def spool_of(cfg: DictConfig, run_dir: str | Path, data: TeacherDataset) -> Spoo
     if str(p.dtype) not in ("float32", "bfloat16", "float16"):
         raise DatasetError(f"producer.dtype={p.dtype}: the producer hands features over as float32, bfloat16 or "
                            "float16")
+    if t.tokens_per_step:
+        raise DatasetError(f"trainer.tokens_per_step={t.tokens_per_step} with trainer.features=producer: a producer "
+                           "spools steps of trainer.batch_sequences sequences; set trainer.tokens_per_step=null")
     key = {"seed": cfg.seed, "batch_sequences": t.batch_sequences, "steps": t.steps,
            "heldout_samples": t.heldout_samples, "train_samples": t.train_samples,
            "dataset": data.manifest["config_hash"], "layer_ids": list(data.layer_ids), "dtype": str(p.dtype)}

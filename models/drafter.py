@@ -22,7 +22,7 @@ n tapped target layers, h heads, hk kv heads, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ class DFlashDrafterConfig:
     attn_implementation: str = "sdpa"  # a key of ATTENTION_FUNCTIONS; a runtime choice, not exported
     # sdpa in training: the packed mask is built this many MB at a time (rows of blocks), each slice's attention
     # recomputed in the backward instead of keeping its mask; 0 = the whole dense mask at once. Not exported.
-    attention_chunk_mb: float = 64.0
+    attention_chunk_mb: float = field(default=64.0, compare=False)  # a runtime choice: not part of what is equal
     # Weight-tied depth: the block passes through the layer stack this many times (the same weights each time; the
     # context K/V of a layer are the same on every pass, so they are projected and cached once). Exported unrolled,
     # as num_hidden_layers x layer_repeats layers of copied weights: engines load an ordinary deeper drafter.

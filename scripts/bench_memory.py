@@ -3,13 +3,14 @@ memory savers, side by side in one run.
 
     python scripts/bench_memory.py [--shape smollm2 qwen3_8b] [--cases 2048x256 8192x512 smollm2:32768x1024]
                                    [--paths before after] [--limit-gb 18] [--threads 2]
+                                   [--layers 1] [--json rows.json]
 
 A case is TOKENSxANCHORS for every --shape, or SHAPE:TOKENSxANCHORS for one.
 
 One step is what the training loop runs for the drafter (train/drafter.py DrafterComponent.loss, then backward):
 `DFlashDrafter.forward_packed` over one sequence of T tokens with A anchor blocks (block 16), the target's LM head
 over the full vocabulary, the decay loss, backward; float32 unless the path says bf16 (autocast, as
-`trainer.mixed_precision=bf16`), no optimizer state. The drafter is one layer shaped for the target (random weights;
+`trainer.mixed_precision=bf16`), no optimizer state. The drafter is --layers layers (default one) shaped for the target (random weights;
 its embedding and LM head frozen, as the target's are), with 5 tapped layers. Paths:
 
 - before: the whole logits and the whole packed mask at once (trainer.logits_chunk_mb=0, drafter.attention_chunk_mb=0)
@@ -52,7 +53,7 @@ def status_gb(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def child(shape: str, tokens: int, anchors: int, path: str, limit_gb: float, threads: int) -> dict:
+def child(shape: str, tokens: int, anchors: int, path: str, limit_gb: float, threads: int, layers: int = 1) -> dict:
     """Build, then one step; returns the figures of this case."""
     import torch
     from omegaconf import OmegaConf
@@ -66,7 +67,7 @@ def child(shape: str, tokens: int, anchors: int, path: str, limit_gb: float, thr
     H, I, heads, kv, hd, V, L = SHAPES[shape]
     logits_mb, attention_mb, ckpt, bf16 = PATHS[path]
     torch.manual_seed(0)
-    config = DFlashDrafterConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=1, num_attention_heads=heads,
+    config = DFlashDrafterConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=layers, num_attention_heads=heads,
                                  num_key_value_heads=kv, head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6,
                                  max_position_embeddings=65536, vocab_size=V, block_size=BLOCK, target_hidden_size=H,
                                  target_layer_ids=default_layer_ids(L, 5), num_target_layers=L, mask_token_id=V - 1,
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=["before", "after"])
     ap.add_argument("--limit-gb", type=float, default=18.0, help="most memory above the weights a case may take")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=1, help="drafter layers (the per-layer term of a plan)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -129,11 +131,14 @@ def main() -> None:
         return
     import platform
 
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
-    print(f"# {cpu}, {a.threads} thread(s); one step, no optimizer state; memory above the built model's weights\n")
-    print("| shape | tokens x anchors | path | above weights (GB) | step (s) | loss |")
-    print("|---|---|---|---|---|---|", flush=True)
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    cpu = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), platform.processor())
+    flags = next((l.split(":", 1)[1].split() for l in info if l.startswith("flags")), [])
+    simd = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no avx2"
+    print(f"# {cpu} ({simd}), {a.threads} thread(s); one step, no optimizer state; memory above the built model's "
+          "weights\n")
+    print("| shape | layers | tokens x anchors | path | above weights (GB) | step (s) | loss |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for shape in a.shape:
         for case in a.cases:
@@ -143,7 +148,7 @@ def main() -> None:
             tokens, anchors = map(int, size.split("x"))
             for path in a.paths:
                 args = dict(shape=shape, tokens=tokens, anchors=anchors, path=path, limit_gb=a.limit_gb,
-                            threads=a.threads)
+                            threads=a.threads, layers=a.layers)
                 run = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], capture_output=True,
                                      text=True)
                 lines = [l for l in run.stdout.splitlines() if l.startswith("{")]
@@ -152,11 +157,13 @@ def main() -> None:
                 else:
                     result = json.loads(lines[-1])
                 rows.append({**args, **result})
+                if "error" in result and "memory" not in result["error"].lower() and run.returncode > 0:
+                    raise SystemExit(f"{shape} {case} {path} failed: {result['error']}")
                 if result["fits"]:
-                    print(f"| {shape} | {tokens} x {anchors} | {path} | {result['above_weights_gb']:.2f} | "
+                    print(f"| {shape} | {a.layers} | {tokens} x {anchors} | {path} | {result['above_weights_gb']:.2f} | "
                           f"{result['seconds']:.1f} | {result['loss']} |", flush=True)
                 else:
-                    print(f"| {shape} | {tokens} x {anchors} | {path} | does not fit in {a.limit_gb:g} GB "
+                    print(f"| {shape} | {a.layers} | {tokens} x {anchors} | {path} | does not fit in {a.limit_gb:g} GB "
                           f"{result.get('error', '')} | - | - |", flush=True)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

@@ -55,7 +55,7 @@ def test_tiny_run_on_cpu(tmp_path):
     assert r["errors"] == {}
     assert r["unneeded_imported"] == []
     assert r["package_root"] == str(ROOT)  # this checkout, whatever is installed
-    assert set(r["seconds"]) == {"build", "costs", "train", "decodes", "fsdp", "dflash2", "total"}
+    assert set(r["seconds"]) == {"build", "costs", "train", "decodes", "fsdp", "dflash2", "kernels", "total"}
     assert r["dflash2"]["skipped"].startswith("vllm is not importable")  # the project's python has no vLLM
 
     c = r["costs"]

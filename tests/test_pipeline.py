@@ -48,11 +48,12 @@ def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
 @pytest.mark.slow
 def test_long_context_recipe_takes_long_conversations_and_steps_by_tokens(tmp_path):
     """experiment=long_context on the real target, shortened (first turns of 512 prompt tokens and 48 reply tokens
-    here): conversations of at least 6,000 tokens over all their turns, prefilled, trained in token-budget steps."""
+    of conversations of at least 2,000 tokens over all their turns: only 2 of the package's conversations reach 4,000
+    with a first prompt that short), prefilled, trained in token-budget steps."""
     recipe = make_config("experiment=long_context")
-    assert (recipe.teacher.mode, recipe.data.min_tokens, recipe.trainer.tokens_per_step) == ("prefill", 6000, 16384)
+    assert (recipe.teacher.mode, recipe.data.min_tokens, recipe.trainer.tokens_per_step) == ("prefill", 4000, 16384)
     cfg = make_config("experiment=long_context", "data.num_samples=3", "data.max_prompt_tokens=512",
-                      "teacher.max_turns=1", "teacher.max_new_tokens=48", "trainer.steps=2",
+                      "data.min_tokens=2000", "teacher.max_turns=1", "teacher.max_new_tokens=48", "trainer.steps=2",
                       "trainer.heldout_samples=1", "trainer.tokens_per_step=600", "logger=none")
     out = run_stages(cfg, tmp_path, ["teacher", "train"])
     manifest = json.loads((out["teacher"] / "manifest.json").read_text())

@@ -23,7 +23,8 @@ from test_served import needs_vllm
 
 # float32 features everywhere, so that stored and spooled features differ by float rounding at most
 EXACT = ["teacher.topk_logprobs=0", "teacher.feature_dtype=float32", "teacher.capture=separate", "trainer.steps=6",
-         "trainer.save_every=2", "trainer.eval_every=3", "producer.dtype=float32"]
+         "trainer.save_every=2", "trainer.eval_every=3", "producer.dtype=float32",
+         "trainer.tokens_per_step=null"]  # a producer spools steps of batch_sequences
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,9 @@ def test_producer_settings_that_cannot_work_are_refused_in_one_line(teacher):
     with pytest.raises(TrainError, match="drop trainer.online"):
         run_train(make_config(*EXACT, "trainer.features=producer", "trainer.online=true"),
                   teacher.parent / "refused" / "train", teacher)
+    with pytest.raises(DatasetError, match="set trainer.tokens_per_step=null"):
+        run_train(make_config(*EXACT, "trainer.features=producer", "trainer.tokens_per_step=256"),
+                  teacher.parent / "budget" / "train", teacher)
     with pytest.raises(DatasetError, match="set teacher.engine=vllm"):
         check_engine(make_config("teacher.capture=engine"))
     with pytest.raises(DatasetError, match="use teacher.capture=separate"):
