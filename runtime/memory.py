@@ -9,8 +9,8 @@ the high-water mark when the stage raised it (exact), else the largest resident 
 Child processes are not in this process's figure: a vLLM engine in its own venv (teacher.engine=vllm,
 eval.served.engine=vllm), a producer, an engine-parity check. getrusage(RUSAGE_CHILDREN) gives the largest child that
 has ended and been waited for; a child's figure counts this process's resident size when it was forked (so even
-`uname -p`, which platform.processor() runs, reads as large as its parent), so a stage reports a child only when one
-went above the stage's own peak.
+`uname -p`, which platform.processor() runs, reads as large as its parent's peak so far), so a stage reports a child
+only when one went above this process's own peak so far: then it was the child's own memory.
 """
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def gb(n: int) -> str:
 class StagePeak:
     """The peak resident memory of what runs inside `with StagePeak() as peak:`; `peak.text()` reads
     `peak 2.1 GB resident`, plus `, largest child 3.4 GB` when a child process it started and waited for went
-    above that. A stage that stays below an earlier stage's peak gets the largest size sampled every `interval`
-    seconds (an allocation held for less than that can be missed); without /proc, the process's peak so far."""
+    above this process's peak so far. A stage that stays below an earlier stage's peak gets the largest size sampled
+    every `interval` seconds (an allocation held for less than that can be missed); without /proc, the process's peak
+    so far."""
 
     def __init__(self, interval: float = 0.02):
         self.interval = interval
@@ -87,7 +88,7 @@ class StagePeak:
         now, hwm, children = current_rss(), peak_rss(), children_peak()
         self.sampled = max(self.sampled, now or 0)
         self.peak = hwm if hwm > self.before or now is None else self.sampled
-        self.children = children if children > max(self.children_before, self.peak) else 0
+        self.children = children if children > max(self.children_before, hwm) else 0
 
     def text(self) -> str:
         child = f", largest child {gb(self.children)}" if self.children else ""
