@@ -50,9 +50,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from dflash_pipeline.models.target import TargetError
     from dflash_pipeline.eval.errors import EvalError
     from dflash_pipeline.train.loop import TrainError
+    from dflash_pipeline.models.llamacpp_engine import LlamaCppError
     from dflash_pipeline.models.vllm_engine import VLLMError
 
-    return (ConfigError, DatasetError, DataSourceError, TargetError, TrainError, EvalError, VLLMError)
+    return (ConfigError, DatasetError, DataSourceError, TargetError, TrainError, EvalError, VLLMError, LlamaCppError)
 
 
 def _job_dirs() -> tuple[Path, Path | None]:

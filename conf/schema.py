@@ -120,6 +120,11 @@ class Engine(Choice):
     vllm = "vllm"  # vLLM in its own virtual environment (models/vllm_engine.py; bash scripts/setup_vllm.sh)
 
 
+class ServingEngine(Choice):  # eval.served.engine
+    vllm = "vllm"  # vLLM in its own virtual environment (models/vllm_engine.py; bash scripts/setup_vllm.sh)
+    llamacpp = "llamacpp"  # llama-server on GGUF files (models/llamacpp_engine.py; bash scripts/setup_llamacpp.sh)
+
+
 class FeatureSource(Choice):  # trainer.features
     dataset = "dataset"  # the teacher dataset's stored features (or the target's, captured in the loop: trainer.online)
     producer = "producer"  # a feature producer's, through a spool (data/producer.py): no target body in the trainer
@@ -448,7 +453,7 @@ class ServedConfig:
     """eval.served: the exported drafter served by an engine on the eval's prompts, beside the own loop (the chain
     method), with the parity gate (eval/served.py)."""
 
-    engine: Optional[Engine] = None  # vllm: serve it in vLLM; None: the own loop only
+    engine: Optional[ServingEngine] = None  # vllm | llamacpp: serve it in that engine; None: the own loop only
     # reduced precision: the most |served - own| unconditional acceptance per position (and relative tau) the gate
     # passes; float32 needs equal counters
     tolerance: float = ranged(0.02, ge=0.0)

@@ -32,6 +32,7 @@ from dflash_pipeline.eval.decode import ACCEPTANCE_RULES, speculative
 from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
 from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.eval.metrics import median
+from dflash_pipeline.models import llamacpp_engine
 from dflash_pipeline.models.target import target_folder
 from dflash_pipeline.models.vllm_engine import VLLMEngine, close_engines, speculative_config
 
@@ -54,14 +55,32 @@ WHAT = {
     "dflash_config.causal": "the causal flag (DFlash drafts attend bidirectionally)",
     "layer_types": "sliding-window layers", "use_swa": "sliding-window attention",
     "dflash_config.use_swa": "sliding-window attention",
+    "input_embedding_scale": "the scale of the drafter's input embeddings (llama.cpp reads it; absent: 1, and "
+                             "sqrt(hidden) for a Gemma target)",
 }
+SCALE = "input_embedding_scale"  # the export's (dflash_config, top level, else 1); the own loop's embedding's
 
 
 # -- counts ------------------------------------------------------------------------------------------------------
-def own_counts(rounds: list[list[int]], drafts_per_round: int) -> dict:
+def own_counts(rounds: list[list[int]], drafts_per_round: int, budget: int | None = None) -> dict:
     """vLLM's counters recomputed from the own loop's rounds (accepted drafts per round, per prompt): drafts, and
-    per draft position k the rounds that accepted at least k drafts."""
-    flat = [n for prompt in rounds for n in prompt]
+    per draft position k the rounds that accepted at least k drafts.
+
+    budget (llama.cpp): the engine drafts at most (tokens still to generate) - 1 in a round, where the own loop
+    drafts a whole block and cuts the output; the own rounds are counted as such an engine would run them, up to the
+    first round the budget cuts short (after it the paths' rounds no longer line up: the last one or two of a
+    prompt)."""
+    flat = []
+    for prompt in rounds:
+        produced = 1  # the first token comes from the prefill, in both
+        for n in prompt:
+            most = drafts_per_round if budget is None else min(drafts_per_round, budget - produced - 1)
+            if most <= 0:
+                break
+            flat.append(min(n, most))
+            produced += n + 1
+            if n > most:
+                break
     return {"drafts": len(flat), "accepted": sum(flat),
             "accepted_per_pos": [sum(n > k for n in flat) for k in range(drafts_per_round)]}
 
@@ -97,6 +116,8 @@ def export_contract(folder: Path) -> dict:
     """The contract keys of an exported drafter folder as an engine reads them (d2t as a digest of its values)."""
     config = json.loads((Path(folder) / "config.json").read_text())
     out = {k: _get(config, k) for k in CONTRACT + ENGINE_ONLY if k != "d2t"}
+    scale = _get(config, f"dflash_config.{SCALE}")
+    out[SCALE] = float(scale if scale is not None else config.get(SCALE, 1.0))
     with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
         out["d2t"] = (hashlib.sha256(f.get_tensor("d2t").long().numpy().tobytes()).hexdigest()[:16]
                       if "d2t" in f.keys() else None)
@@ -107,6 +128,7 @@ def drafter_contract(drafter) -> dict:
     """The same keys for the drafter the own loop runs (what it was trained as)."""
     config = drafter.config.to_dict()
     out = {k: _get(config, k) for k in CONTRACT + ENGINE_ONLY if k != "d2t"}
+    out[SCALE] = float(getattr(drafter.embed_tokens, "embed_scale", 1.0))  # Gemma's scaled embedding module
     ids = drafter.draft_to_target
     full = ids is None or len(ids) == drafter.config.vocab_size
     out["draft_vocab_size"] = None if full else len(ids)
@@ -118,7 +140,7 @@ def drafter_contract(drafter) -> dict:
 def likely_keys(served: dict, own: dict) -> list[str]:
     """Contract keys that differ between the export the engine served and the drafter the own loop ran, then keys
     only the engine honours that make its drafter something the own loop is not (causal, windowed)."""
-    differ = [k for k in CONTRACT if served.get(k) != own.get(k)]
+    differ = [k for k in CONTRACT + (SCALE,) if served.get(k) != own.get(k)]
     engine_only = [k for k in ENGINE_ONLY if served.get(k) not in (None, False, [], 0)
                    and not (k == "layer_types" and all(t == "full_attention" for t in served[k]))]
     return differ + engine_only
@@ -172,6 +194,8 @@ class ServedEval:
     """vLLM engines on the target (plain, and with the exported drafter), open for every eval set of a run. At
     temperature > 0 only the speculative engine runs (plain=False). wait=False returns while the engines build (the
     first request waits for them): several ServedEvals then build side by side."""
+
+    name = "vLLM"
 
     def __init__(self, cache_dir, target_dir: Path, drafter_dir: Path, dtype: str, block_size: int,
                  max_model_len: int, threads: int, log_file: Path, plain: bool = True,
@@ -252,6 +276,38 @@ class ServedEval:
                        tokens_per_s_spec_batched=median(runs["spec"]))
             out["speedup_batched"] = out["tokens_per_s_spec_batched"] / out["tokens_per_s_plain_batched"]
         return out
+
+
+class LlamaCppServedEval(ServedEval):
+    """The same runs through llama.cpp: llama-server on the target's GGUF, plain and with the drafter's GGUF
+    (`--spec-type draft-dflash`), both converted here by llama.cpp's own converter (models/llamacpp_engine.py), one
+    request at a time."""
+
+    name = "llama.cpp"
+
+    def __init__(self, cache_dir, target_dir: Path, drafter_dir: Path, block_size: int, max_model_len: int,
+                 threads: int, log_file: Path, outtype: str = "f32", plain: bool = True):
+        self.block_size, self.drafter_dir = block_size, drafter_dir
+        folder = Path(cache_dir) / "llamacpp" / "gguf"
+        self.target_gguf = llamacpp_engine.to_gguf(cache_dir, target_dir, folder, outtype, log_file=log_file)
+        self.drafter_gguf = llamacpp_engine.to_gguf(cache_dir, drafter_dir, folder, outtype, target_dir=target_dir,
+                                                    log_file=log_file)
+        common = dict(threads=threads, ctx=min(max_model_len, 8192), log_file=log_file, block_size=block_size)
+        self.plain = llamacpp_engine.LlamaServer(cache_dir, self.target_gguf, wait=False, **common) if plain else None
+        try:
+            self.spec = llamacpp_engine.LlamaServer(cache_dir, self.target_gguf, self.drafter_gguf, wait=False,
+                                                    **common)
+            for engine in (self.plain, self.spec):
+                if engine is not None:
+                    engine.ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for engine in (self.plain, getattr(self, "spec", None)):
+            if engine is not None:
+                engine.close()
 
 
 # -- at temperature > 0 -------------------------------------------------------------------------------------------
@@ -384,8 +440,10 @@ class Gate:
     dtype: str
     tolerance: float  # eval.served.tolerance: reduced precision's allowance per position
     judge: ExactnessJudge
-    served_contract: dict  # export_contract of the export vLLM loads
+    served_contract: dict  # export_contract of the export the engine loads
     own_contract: dict  # drafter_contract of the drafter the own loop runs
+    engine: str = "vLLM"  # the serving engine, as the verdicts name it
+    budget: int | None = None  # llama.cpp: max_new_tokens, whose remainder caps each round's drafts (own_counts)
 
 
 def compare(served: dict, own: OwnSet, g: Gate) -> dict:
@@ -400,7 +458,7 @@ def compare(served: dict, own: OwnSet, g: Gate) -> dict:
     drafts_per_round, dtype, judge = g.drafts_per_round, g.dtype, g.judge
     near_ties, wrong = [], []
     for p, ref, plain, spec in zip(prompts, own_ar, served["outputs_plain"], served["outputs_spec"]):
-        for what, other in (("vLLM plain", plain), ("vLLM speculative", spec)):
+        for what, other in ((f"{g.engine} plain", plain), (f"{g.engine} speculative", spec)):
             v = judge.classify(p["prompt_ids"], ref, other)
             if v.kind != IDENTICAL:
                 (near_ties if v.kind == NEAR_TIE else wrong).append({"prompt": p["id"], "run": what,
@@ -410,13 +468,13 @@ def compare(served: dict, own: OwnSet, g: Gate) -> dict:
                  if ref == own == spec]
     gated = same_path if dtype != "float32" and same_path else list(range(len(prompts)))
     counts_served = summed(served["counters"], drafts_per_round)
-    counts_own = own_counts(own_rounds, drafts_per_round)
+    counts_own = own_counts(own_rounds, drafts_per_round, g.budget)
     outputs_ok = not wrong and (dtype != "float32" or not near_ties)
-    verdict = gate(own_counts([own_rounds[i] for i in gated], drafts_per_round),
+    verdict = gate(own_counts([own_rounds[i] for i in gated], drafts_per_round, g.budget),
                    summed([served["counters"][i] for i in gated], drafts_per_round), dtype, g.tolerance, outputs_ok,
                    g.served_contract, g.own_contract)
     verdict["prompts_compared"] = len(gated)
-    plain_off = [w for w in wrong if w["run"] == "vLLM plain"]
+    plain_off = [w for w in wrong if w["run"] == f"{g.engine} plain"]
     if plain_off and not verdict["pass"]:  # the engine decodes the target itself differently: no drafter key to blame
         first = min(w["position"] for w in plain_off)
         verdict["line"] = (verdict["line"].split("; likely contract key:")[0]
@@ -476,22 +534,40 @@ class ServeSettings:
 
 def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets: dict[str, list[dict]],
           own_runs: dict, results: dict) -> dict:
-    """The exported drafter served by vLLM on each set's online prompts, beside the own loop's chain runs of the
-    same prompts: per-position acceptance served / own loop / teacher-forced, exactness, speed, and the parity gate's
-    verdict per set (greedy: counters equal; temperature > 0: the statistical gate over seeds)."""
+    """The exported drafter served by the engine (eval.served.engine: vllm, llamacpp) on each set's online prompts,
+    beside the own loop's chain runs of the same prompts: per-position acceptance served / own loop / teacher-forced,
+    exactness, speed, and the parity gate's verdict per set (greedy: counters equal in float32 in vLLM, within
+    eval.served.tolerance in llama.cpp, whose kernels round differently from torch's even in float32; temperature
+    > 0: the statistical gate over seeds, vLLM only)."""
+    llamacpp = str(s.served.engine) == "llamacpp"
+    sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
+    if llamacpp and sampled:
+        raise EvalError("eval.served.engine=llamacpp gates greedy decoding only (eval.temperature=0); serve in vLLM "
+                        "for the gate at temperature (eval.served.engine=vllm)")
     out = {"engine": str(s.served.engine), "target_dir": str(s.target_dir), "threads": s.threads, "dtype": s.dtype,
            "tolerance": s.served.tolerance, "sets": {}}
-    log_file = Path(s.cache_dir) / "vllm" / "engine.log"
+    log_file = Path(s.cache_dir) / ("llamacpp" if llamacpp else "vllm") / "engine.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.unlink(missing_ok=True)  # this run's engines only
-    log.info("serving %s on %s in vLLM (%s, %d threads; engine log %s)", s.drafter_dir, s.target_dir, s.dtype,
+    name = LlamaCppServedEval.name if llamacpp else ServedEval.name
+    log.info("serving %s on %s in %s (%s, %d threads; engine log %s)", s.drafter_dir, s.target_dir, name, s.dtype,
              s.threads, log_file)
-    sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
-    gate = None if sampled else Gate(s.block_size - 1, s.dtype, s.served.tolerance, judge,
-                                     export_contract(s.drafter_dir), drafter_contract(drafter))
-    engine = ServedEval(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len, s.threads,
-                        log_file, plain=not sampled, draft_sample_method=s.served.draft_sample_method if sampled
-                        else "greedy", repair=s.served.repair)
+    # llama.cpp's float32 kernels are not torch's: its gate is the reduced-precision one (rates within tolerance,
+    # outputs exact but for near-ties), in float32 too
+    gate_dtype = f"{s.dtype} in llama.cpp" if llamacpp else s.dtype
+    gate = None if sampled else Gate(s.block_size - 1, gate_dtype, s.served.tolerance,
+                                     judge.near_ties_allowed() if llamacpp else judge,
+                                     export_contract(s.drafter_dir), drafter_contract(drafter), name,
+                                     s.max_new_tokens if llamacpp else None)
+    if llamacpp:
+        engine = LlamaCppServedEval(s.cache_dir, s.target_dir, s.drafter_dir, s.block_size, s.max_model_len,
+                                    s.threads, log_file, outtype="f32" if s.dtype == "float32" else "f16")
+        out["gguf"] = {"target": str(engine.target_gguf), "drafter": str(engine.drafter_gguf)}
+    else:
+        engine = ServedEval(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len,
+                            s.threads, log_file, plain=not sampled,
+                            draft_sample_method=s.served.draft_sample_method if sampled else "greedy",
+                            repair=s.served.repair)
     try:
         for label, prompts in prompt_sets.items():
             timed = prompts[: s.online_prompts]
@@ -516,8 +592,8 @@ def _greedy(s: ServeSettings, engine: ServedEval, gate: Gate, target, timed: lis
             results: dict) -> dict:
     ar, rounds, spec = own_runs[label]["chain"]
     own = results["methods"]["chain"][label]
-    served = engine.run([p["prompt_ids"] for p in timed], s.max_new_tokens, target.eos_ids, s.repeats,
-                        s.served.batch, label)
+    batch = 0 if isinstance(engine, LlamaCppServedEval) else s.served.batch  # llama.cpp: one request at a time
+    served = engine.run([p["prompt_ids"] for p in timed], s.max_new_tokens, target.eos_ids, s.repeats, batch, label)
     res = compare(served, OwnSet(timed, ar, rounds, spec, own["a_k_online"],
                                  results["offline"][label]["methods"]["chain"]["a_k"]), gate)
     fastest = min(own.get("ms_per_token_ar_by_dtype", {}).values(), default=own["ms_per_token_ar"])

@@ -158,9 +158,28 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
         if "chain" not in methods:
             raise EvalError("eval.served compares the served drafter with the own loop's chain method: add chain to "
                             "eval.methods")
-        vllm_python(cfg.cache_dir)
+        if str(e.served.engine) == "llamacpp":
+            check_llamacpp(cfg, drafter)
+        else:
+            vllm_python(cfg.cache_dir)
     not_run = runnable(methods, B, e.temperature, target.model)
     return Setup(cfg, device, target, drafter, drafter_dir, B, methods, not_run, judge, baselines)
+
+
+def check_llamacpp(cfg: DictConfig, drafter) -> None:
+    """What eval.served.engine=llamacpp needs, refused in one line before any decoding: its build, greedy decoding,
+    and a drafter over the target's whole vocabulary (llama.cpp's converter maps no draft vocabulary for DFlash)."""
+    from dflash_pipeline.models.llamacpp_engine import paths
+
+    paths(cfg.cache_dir)
+    if cfg.eval.temperature > 0:
+        raise EvalError("eval.served.engine=llamacpp gates greedy decoding only (eval.temperature=0); serve in vLLM "
+                        "for the gate at temperature (eval.served.engine=vllm)")
+    ids = drafter.draft_to_target
+    if ids is not None and len(ids) != drafter.config.vocab_size:
+        raise EvalError(f"the drafter drafts over a {len(ids)}-token vocabulary, which llama.cpp's converter does not "
+                        "map for DFlash drafters: train a full-vocabulary drafter for llama.cpp "
+                        "(trainer.draft_vocab_size=null)")
 
 
 def offline(s: Setup, items: list[dict], label: str, subset: int | None = None, note: str | None = None) -> dict:

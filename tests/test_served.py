@@ -138,6 +138,8 @@ def plant(src: Path, dst: Path, mismatch: str) -> Path:
         config["dflash_config"]["mask_token_id"] += 1
     elif mismatch == "causal":
         config["dflash_config"]["causal"] = True
+    elif mismatch == "scale":  # the drafter's input embeddings scaled as a Gemma target's would be
+        config["dflash_config"]["input_embedding_scale"] = 4.0
     elif mismatch == "rope":
         config["rope_theta"] = config["rope_theta"] * 10
     elif mismatch == "d2t":

@@ -1,0 +1,216 @@
+"""llama.cpp as a serving engine beside the project's own loop: GGUF conversion with llama.cpp's own converter and a
+`llama-server` per engine (plain, or with the drafter: `--spec-type draft-dflash`).
+
+`bash scripts/setup_llamacpp.sh` builds llama-server once into <cache_dir>/llamacpp/<build>/ and keeps the source
+tree's `convert_hf_to_gguf.py` (run in this interpreter with the tree's gguf package first on the path); its
+`llamacpp.json` names the files. The server reads token ids and returns token ids (/completion with
+`return_tokens`); its per-position acceptance is in /metrics (`spec_decode_num_accepted_tokens_per_pos_total`,
+added when a request's slot is released), so one slot serves one request at a time and each request's counters
+are the difference of two scrapes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+SETUP = "bash scripts/setup_llamacpp.sh"
+BUILD = os.environ.get("LLAMACPP_VERSION", "11434")
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp missing, a conversion refused, or a server failing; the message says what to do."""
+
+
+def paths(cache_dir: str | Path) -> dict:
+    """llamacpp.json of the build in the cache: server, converter, pythonpath; or a one-line error naming the
+    install command."""
+    f = Path(cache_dir) / "llamacpp" / BUILD / "llamacpp.json"
+    if not f.is_file():
+        raise LlamaCppError(f"llama.cpp is not built at {f.parent}: run `{SETUP}`")
+    return json.loads(f.read_text())
+
+
+def _digest(*folders: Path) -> str:
+    h = hashlib.sha256()
+    for folder in folders:
+        for f in sorted(Path(folder).glob("*")):
+            if f.is_file() and f.suffix in (".json", ".safetensors", ".txt", ".model", ".gguf"):
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def to_gguf(cache_dir: str | Path, folder: str | Path, out_dir: str | Path, outtype: str = "f32",
+            target_dir: str | Path | None = None, log_file: Path | None = None) -> Path:
+    """`folder` (a transformers model folder, or a drafter export with the target's folder as `target_dir`, whose
+    tokenizer and embeddings the converter reads) as a GGUF file in `out_dir`, converted by llama.cpp's own
+    converter; kept and reused while its inputs are unchanged (written under a temporary name, renamed when
+    complete)."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if target_dir is not None and config.get("draft_vocab_size", config.get("vocab_size")) != config.get("vocab_size"):
+        raise LlamaCppError(
+            f"{folder} drafts over a {config['draft_vocab_size']}-token vocabulary (its d2t map), which llama.cpp's "
+            "converter does not map for DFlash drafters: train a full-vocabulary drafter for llama.cpp "
+            "(trainer.draft_vocab_size=null)")
+    p = paths(cache_dir)
+    inputs = (folder,) if target_dir is None else (folder, Path(target_dir))
+    out = Path(out_dir) / f"{folder.name}-{_digest(*inputs)}-{outtype}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    cmd = [sys.executable, p["converter"], str(folder), "--outtype", outtype, "--outfile", str(tmp)]
+    if target_dir is not None:
+        cmd += ["--target-model-dir", str(target_dir)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p["pythonpath"]), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if log_file is not None:
+        with open(log_file, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    if proc.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LlamaCppError(f"llama.cpp's converter failed on {folder}: {last}")
+    tmp.rename(out)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+METRIC = re.compile(r"^llamacpp:(spec_decode_\w+?)(?:\{position=\"(\d+)\"\})?\s+([0-9.eE+-]+)$")
+
+
+class LlamaServer:
+    """One llama-server on a local port: the target GGUF, and with `drafter` its DFlash drafter drafting
+    block_size - 1 tokens a round. `generate` answers as models/vllm_engine.py's VLLMEngine does: {"outputs",
+    "seconds", "spec": per request {drafts, draft_tokens, accepted, accepted_per_pos}}."""
+
+    def __init__(self, cache_dir: str | Path, target: Path, drafter: Path | None = None, block_size: int = 16,
+                 threads: int = 1, ctx: int = 4096, log_file: Path | None = None, wait: bool = True):
+        p = paths(cache_dir)
+        self.port, self.drafts_per_round, self.log_file = _free_port(), block_size - 1, log_file
+        cmd = [p["server"], "-m", str(target), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
+               "--host", "127.0.0.1", "--port", str(self.port), "--metrics", "--no-webui", "--no-warmup"]
+        if drafter is not None:
+            # every round drafts the whole block (no confidence cut), as the own loop and vLLM do
+            cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
+                    "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--spec-draft-threads", str(threads)]
+        # two OpenMP pools (target and drafter) spinning on the same few cores stall each other: wait passively
+        env = dict(os.environ, OMP_WAIT_POLICY="passive")
+        out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        if log_file:
+            out.close()
+        self._ready = False
+        if wait:
+            self.ready()
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def ready(self, timeout: float = 600) -> LlamaServer:
+        start = time.monotonic()
+        while not self._ready:
+            if self.proc.poll() is not None:
+                where = f"; its log: {self.log_file}" if self.log_file else ""
+                raise LlamaCppError(f"llama-server exited with code {self.proc.returncode}{where}")
+            try:
+                with urllib.request.urlopen(self._url("/health"), timeout=5) as r:
+                    self._ready = json.load(r).get("status") == "ok"
+            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+                pass
+            if not self._ready:
+                if time.monotonic() - start > timeout:
+                    raise LlamaCppError(f"llama-server did not come up in {timeout:.0f} s")
+                time.sleep(0.2)
+        return self
+
+    def counters(self) -> dict:
+        with urllib.request.urlopen(self._url("/metrics"), timeout=30) as r:
+            text = r.read().decode()
+        out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * self.drafts_per_round}
+        names = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
+                 "spec_decode_num_accepted_tokens_total": "accepted"}
+        for line in text.splitlines():
+            m = METRIC.match(line.strip())
+            if not m:
+                continue
+            name, pos, value = m.group(1), m.group(2), int(float(m.group(3)))
+            if pos is not None and name == "spec_decode_num_accepted_tokens_per_pos_total":
+                if int(pos) < self.drafts_per_round:
+                    out["accepted_per_pos"][int(pos)] = value
+            elif name in names:
+                out[names[name]] = value
+        return out
+
+    def _post(self, body: dict) -> dict:
+        req = urllib.request.Request(self._url("/completion"), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return json.load(r)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, stop_token_ids: list[int], batch: bool = False,
+                 temperature: float = 0.0, seeds: list[int | None] | None = None) -> dict:
+        """Replies to `prompts` one request at a time (one slot): greedy, or sampled at `temperature` with a seed
+        per prompt. A reply stops at the target's end-of-generation tokens (llama.cpp's own list) and is cut after
+        the first of `stop_token_ids`."""
+        self.ready()
+        if batch:
+            raise LlamaCppError("the llama.cpp engine serves one request at a time (eval.served.batch=0)")
+        outputs, seconds, spec = [], [], []
+        stop = set(stop_token_ids)
+        for i, prompt in enumerate(prompts):
+            before = self.counters()
+            body = {"prompt": list(prompt), "n_predict": max_tokens, "temperature": temperature,
+                    "cache_prompt": False, "return_tokens": True, "samplers": ["top_k", "temperature"]}
+            if temperature == 0:
+                body["top_k"] = 1
+            if seeds and seeds[i] is not None:
+                body["seed"] = seeds[i]
+            start = time.perf_counter()
+            reply = self._post(body)
+            seconds.append(time.perf_counter() - start)
+            tokens = list(reply.get("tokens") or [])
+            cut = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
+            outputs.append(tokens[:cut])
+            timings = reply.get("timings", {})
+            want = timings.get("draft_n", 0)
+            deadline = time.monotonic() + 10
+            while True:  # the slot's counters reach /metrics when it is released, just after the reply
+                after = self.counters()
+                if after["draft_tokens"] - before["draft_tokens"] >= want or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            spec.append({k: (after[k] - before[k]) if k != "accepted_per_pos" else
+                         [a - b for a, b in zip(after[k], before[k])] for k in after})
+        return {"outputs": outputs, "seconds": seconds, "spec": spec}
+
+    def close(self, wait: bool = True) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        if wait:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,107 @@
+"""llama.cpp at the serving end: the exported drafter and the target converted to GGUF by llama.cpp's own converter,
+served by llama-server beside the own loop, and the parity gate (eval/served.py, models/llamacpp_engine.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ROOT, make_config, user_env
+from dflash_pipeline.eval import served
+from dflash_pipeline.eval.errors import EvalError
+from dflash_pipeline.models import llamacpp_engine
+from test_served import plant, served_run
+
+
+def llamacpp_missing() -> str | None:
+    try:
+        llamacpp_engine.paths(make_config().cache_dir)
+    except llamacpp_engine.LlamaCppError as e:
+        return str(e)
+    return None
+
+
+needs_llamacpp = pytest.mark.skipif(llamacpp_missing() is not None, reason=f"{llamacpp_missing()}")
+
+
+def test_a_draft_vocabulary_drafter_is_refused_in_one_line_naming_the_way_out(tmp_path):
+    from dflash_pipeline.eval.stage import check_llamacpp
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 512, "draft_vocab_size": 64}))
+    with pytest.raises(llamacpp_engine.LlamaCppError, match=r"64-token vocabulary.*trainer.draft_vocab_size=null"):
+        llamacpp_engine.to_gguf(tmp_path, folder, tmp_path / "gguf", target_dir=tmp_path)
+    drafter = SimpleNamespace(draft_to_target=torch.arange(64), config=SimpleNamespace(vocab_size=512))
+    cfg = make_config("eval.served.engine=llamacpp")
+    if llamacpp_missing() is None:
+        with pytest.raises(EvalError, match=r"64-token vocabulary.*trainer.draft_vocab_size=null"):
+            check_llamacpp(cfg, drafter)
+    with pytest.raises((EvalError, llamacpp_engine.LlamaCppError), match="eval.temperature=0|setup_llamacpp.sh"):
+        check_llamacpp(make_config("eval.served.engine=llamacpp", "eval.temperature=0.5"), drafter)
+
+
+@pytest.fixture(scope="module")
+def llamacpp_run(tmp_path_factory) -> Path:
+    """`dflash-pipeline experiment=tiny_llamacpp`: a full-vocabulary drafter that is accepted, served in llama.cpp."""
+    run_dir = tmp_path_factory.mktemp("tiny_llamacpp")
+    proc = subprocess.run(["dflash-pipeline", "experiment=tiny_llamacpp", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          env=user_env(), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_llamacpp_acceptance_per_position_beside_the_own_loop_passes_the_gate(llamacpp_run):
+    """Every set served by llama-server: its per-position acceptance from its own counters beside the own loop's on
+    the same prompts, speculative outputs equal to its plain decoding, and the gate passing on the float32 target
+    (rates within the tolerance on the prompts whose decodes took the same tokens; near-ties named as such)."""
+    results = json.loads((llamacpp_run / "eval" / "eval_results.json").read_text())["served"]
+    assert results["engine"] == "llamacpp" and results["pass"], [s["gate"]["line"] for s in results["sets"].values()]
+    assert results["gguf"]["drafter"].endswith("-f32.gguf")
+    for label, s in results["sets"].items():
+        assert s["spec_identical_to_plain"] == s["prompts"], label  # the drafter never changes llama.cpp's output
+        assert not s["wrong"], (label, s["wrong"])
+        assert len(s["a_k_served"]) == len(s["a_k_own"]) == 3
+        assert s["counters_served"]["accepted"] > 0 and s["gate"]["prompts_compared"] >= s["prompts"] // 2
+        gated_rates = served.rates(s["counters_own"])
+        assert gated_rates["tau"] > 1.2, label  # a drafter that is accepted: the gate can tell
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_gate_catches_each_planted_mismatch_in_llamacpp(llamacpp_run, tmp_path):
+    """The run's export with a tap shifted, the wrong MASK token or a wrong embedding scale, converted and served
+    by llama-server on prompts the own loop decodes with the export as trained: the gate fails and names the key;
+    the export as trained passes."""
+    from dflash_pipeline.eval.decode import speculative
+    from dflash_pipeline.models.target import target_folder
+
+    cfg, target, export, drafter, prompts = served_run(llamacpp_run)
+    B, new = drafter.config.block_size, 32
+    own = served.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1, budget=new)
+    assert own["accepted"] > 0
+    own_contract = served.drafter_contract(drafter)
+    folder = target_folder(cfg.target, cfg.cache_dir)
+    gguf = tmp_path / "gguf"
+    target_gguf = llamacpp_engine.to_gguf(cfg.cache_dir, folder, gguf)
+    planted = {"none": None, "taps": "dflash_config.target_layer_ids", "mask": "dflash_config.mask_token_id",
+               "scale": "input_embedding_scale"}
+    caught = {}
+    for mismatch, key in planted.items():
+        out = export if key is None else plant(export, tmp_path / mismatch, mismatch)
+        drafter_gguf = llamacpp_engine.to_gguf(cfg.cache_dir, out, gguf, target_dir=folder)
+        with llamacpp_engine.LlamaServer(cfg.cache_dir, target_gguf, drafter_gguf, block_size=B, ctx=512,
+                                         log_file=tmp_path / f"llamacpp-{mismatch}.log") as server:
+            counts = served.summed(server.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
+        verdict = served.gate(own, counts, "float32 in llama.cpp", 0.02, True, served.export_contract(out),
+                              own_contract)
+        caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
+    assert caught.pop("none")[0], "the export as trained must serve at parity"
+    for mismatch, (passed, keys, per_pos) in caught.items():
+        assert not passed and keys == [planted[mismatch]], (mismatch, per_pos, own)
