@@ -203,10 +203,17 @@ class ServedEval:
         common = dict(model=target_dir, dtype=dtype, max_model_len=max_model_len, threads=threads, log_file=log_file,
                       repair=repair)
         self.block_size, self.drafter_dir = block_size, drafter_dir
-        self.plain = VLLMEngine(cache_dir, wait=False, **common) if plain else None
-        try:  # both engines build side by side
-            self.spec = VLLMEngine(cache_dir, speculative=speculative_config(drafter_dir, block_size,
-                                                                             draft_sample_method), wait=False, **common)
+        self._start(lambda: VLLMEngine(cache_dir, wait=False, **common) if plain else None,
+                    lambda: VLLMEngine(cache_dir, speculative=speculative_config(drafter_dir, block_size,
+                                                                                 draft_sample_method),
+                                       wait=False, **common), wait)
+
+    def _start(self, start_plain, start_spec, wait: bool = True) -> None:
+        """Both engines started side by side (each factory returns one started with wait=False), then waited for;
+        a failure closes whichever had started."""
+        self.plain = start_plain()
+        try:
+            self.spec = start_spec()
             for engine in (self.plain, self.spec) if wait else ():
                 if engine is not None:
                     engine.ready()
@@ -293,21 +300,9 @@ class LlamaCppServedEval(ServedEval):
         self.drafter_gguf = llamacpp_engine.to_gguf(cache_dir, drafter_dir, folder, outtype, target_dir=target_dir,
                                                     log_file=log_file)
         common = dict(threads=threads, ctx=min(max_model_len, 8192), log_file=log_file, block_size=block_size)
-        self.plain = llamacpp_engine.LlamaServer(cache_dir, self.target_gguf, wait=False, **common) if plain else None
-        try:
-            self.spec = llamacpp_engine.LlamaServer(cache_dir, self.target_gguf, self.drafter_gguf, wait=False,
-                                                    **common)
-            for engine in (self.plain, self.spec):
-                if engine is not None:
-                    engine.ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for engine in (self.plain, getattr(self, "spec", None)):
-            if engine is not None:
-                engine.close()
+        server = llamacpp_engine.LlamaServer
+        self._start(lambda: server(cache_dir, self.target_gguf, wait=False, **common) if plain else None,
+                    lambda: server(cache_dir, self.target_gguf, self.drafter_gguf, wait=False, **common))
 
 
 # -- at temperature > 0 -------------------------------------------------------------------------------------------
@@ -539,11 +534,8 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     exactness, speed, and the parity gate's verdict per set (greedy: counters equal in float32 in vLLM, within
     eval.served.tolerance in llama.cpp, whose kernels round differently from torch's even in float32; temperature
     > 0: the statistical gate over seeds, vLLM only)."""
-    llamacpp = str(s.served.engine) == "llamacpp"
+    llamacpp = str(s.served.engine) == "llamacpp"  # greedy only: eval/stage.py check_llamacpp refused the rest
     sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
-    if llamacpp and sampled:
-        raise EvalError("eval.served.engine=llamacpp gates greedy decoding only (eval.temperature=0); serve in vLLM "
-                        "for the gate at temperature (eval.served.engine=vllm)")
     out = {"engine": str(s.served.engine), "target_dir": str(s.target_dir), "threads": s.threads, "dtype": s.dtype,
            "tolerance": s.served.tolerance, "sets": {}}
     log_file = Path(s.cache_dir) / ("llamacpp" if llamacpp else "vllm") / "engine.log"

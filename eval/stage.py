@@ -169,7 +169,7 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
 def check_llamacpp(cfg: DictConfig, drafter) -> None:
     """What eval.served.engine=llamacpp needs, refused in one line before any decoding: its build, greedy decoding,
     and a drafter over the target's whole vocabulary (llama.cpp's converter maps no draft vocabulary for DFlash)."""
-    from dflash_pipeline.models.llamacpp_engine import paths
+    from dflash_pipeline.models.llamacpp_engine import draft_vocabulary_refused, paths
 
     paths(cfg.cache_dir)
     if cfg.eval.temperature > 0:
@@ -177,9 +177,7 @@ def check_llamacpp(cfg: DictConfig, drafter) -> None:
                         "for the gate at temperature (eval.served.engine=vllm)")
     ids = drafter.draft_to_target
     if ids is not None and len(ids) != drafter.config.vocab_size:
-        raise EvalError(f"the drafter drafts over a {len(ids)}-token vocabulary, which llama.cpp's converter does not "
-                        "map for DFlash drafters: train a full-vocabulary drafter for llama.cpp "
-                        "(trainer.draft_vocab_size=null)")
+        raise EvalError(draft_vocabulary_refused("the drafter", len(ids)))
 
 
 def offline(s: Setup, items: list[dict], label: str, subset: int | None = None, note: str | None = None) -> dict:

@@ -39,6 +39,12 @@ def paths(cache_dir: str | Path) -> dict:
     return json.loads(f.read_text())
 
 
+def draft_vocabulary_refused(what: str, size: int) -> str:
+    """The one line a draft-vocabulary drafter gets: llama.cpp's converter maps no d2t for DFlash drafters."""
+    return (f"{what} drafts over a {size}-token vocabulary (its d2t map), which llama.cpp's converter does not map "
+            "for DFlash drafters: train a full-vocabulary drafter for llama.cpp (trainer.draft_vocab_size=null)")
+
+
 def _digest(*folders: Path) -> str:
     h = hashlib.sha256()
     for folder in folders:
@@ -58,10 +64,7 @@ def to_gguf(cache_dir: str | Path, folder: str | Path, out_dir: str | Path, outt
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if target_dir is not None and config.get("draft_vocab_size", config.get("vocab_size")) != config.get("vocab_size"):
-        raise LlamaCppError(
-            f"{folder} drafts over a {config['draft_vocab_size']}-token vocabulary (its d2t map), which llama.cpp's "
-            "converter does not map for DFlash drafters: train a full-vocabulary drafter for llama.cpp "
-            "(trainer.draft_vocab_size=null)")
+        raise LlamaCppError(draft_vocabulary_refused(str(folder), config["draft_vocab_size"]))
     p = paths(cache_dir)
     inputs = (folder,) if target_dir is None else (folder, Path(target_dir))
     out = Path(out_dir) / f"{folder.name}-{_digest(*inputs)}-{outtype}.gguf"

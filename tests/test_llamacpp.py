@@ -3,14 +3,13 @@ served by llama-server beside the own loop, and the parity gate (eval/served.py,
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import ROOT, make_config, user_env
+from conftest import make_config, run_command
 from dflash_pipeline.eval import served
 from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.models import llamacpp_engine
@@ -49,9 +48,7 @@ def test_a_draft_vocabulary_drafter_is_refused_in_one_line_naming_the_way_out(tm
 def llamacpp_run(tmp_path_factory) -> Path:
     """`dflash-pipeline experiment=tiny_llamacpp`: a full-vocabulary drafter that is accepted, served in llama.cpp."""
     run_dir = tmp_path_factory.mktemp("tiny_llamacpp")
-    proc = subprocess.run(["dflash-pipeline", "experiment=tiny_llamacpp", f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                          env=user_env(), capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_command(["dflash-pipeline", "experiment=tiny_llamacpp", f"hydra.run.dir={run_dir}"], timeout=1800)
     return run_dir
 
 

@@ -21,7 +21,7 @@ from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.vllm_engine import VLLMError, venv_dir, vllm_python
 from dflash_pipeline.train.drafter import drafter_config
 
-from conftest import ROOT, make_config, user_env
+from conftest import ROOT, make_config, run_command, user_env
 
 TAPS = [1, 3]
 
@@ -204,9 +204,7 @@ def test_venv_location_follows_the_environment(monkeypatch, tmp_path):
 def vllm_run(tmp_path_factory) -> Path:
     """`dflash-pipeline experiment=tiny_vllm`: vLLM teacher, a drafter that is accepted, the served eval."""
     run_dir = tmp_path_factory.mktemp("tiny_vllm")
-    proc = subprocess.run(["dflash-pipeline", "experiment=tiny_vllm", f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                          env=user_env(), capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_command(["dflash-pipeline", "experiment=tiny_vllm", f"hydra.run.dir={run_dir}"], timeout=1800)
     return run_dir
 
 
