@@ -139,11 +139,16 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
     dirs = stage_dirs(cfg, run_dir, shared_dir, tuple(dict.fromkeys(components)))
     outputs = {}
 
+    if cfg.export.gguf and ("train" in stages or "components" in stages):  # refused before anything runs
+        check_gguf_export(cfg)
+
     def train(name: str) -> None:
         stage = train_stage(name)
         with _measured(stage):
             run_train(cfg, dirs[stage], data_dir=dirs["teacher"], component=name,
                       drafter_dir=None if name == "drafter" else dirs["train"] / "export")
+        if cfg.export.gguf:
+            write_gguf(cfg, name, dirs[stage])
         outputs[stage] = dirs[stage]
 
     def run(stage: str) -> None:
@@ -176,6 +181,37 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
         if stage in dirs:
             outputs[stage] = dirs[stage]
     return outputs
+
+
+def check_gguf_export(cfg: DictConfig) -> None:
+    """What export.gguf needs, refused in one line before any stage runs: llama.cpp's build and a drafter over the
+    whole vocabulary (llama.cpp's converter maps no draft vocabulary for DFlash drafters)."""
+    from dflash_pipeline.models.llamacpp_engine import LlamaCppError, draft_vocabulary_refused, paths
+
+    paths(cfg.cache_dir)
+    if cfg.trainer.draft_vocab_size is not None:
+        raise LlamaCppError("export.gguf: " + draft_vocabulary_refused("the drafter", cfg.trainer.draft_vocab_size))
+
+
+def write_gguf(cfg: DictConfig, component: str, stage_dir: Path) -> None:
+    """export.gguf after a training stage: the drafter's export and a DFlash2 selector's (trained jointly with the
+    drafter, or on it) as GGUF files llama.cpp serves (models/llamacpp_engine.py write_gguf); llama.cpp runs no other
+    component."""
+    from dflash_pipeline.models import llamacpp_engine
+    from dflash_pipeline.models.target import _gguf_source, target_folder
+
+    folders = {"drafter": [stage_dir / "export", stage_dir / "selector" / "export"],
+               "selector": [stage_dir / "export"]}.get(component)
+    if folders is None:
+        log.info("export.gguf: llama.cpp serves DFlash and DFlash2 drafters, not a %s: no GGUF for it", component)
+        return
+    target_dir = target_folder(cfg.target, cfg.cache_dir)
+    source = _gguf_source(cfg.target.path, cfg.target.gguf_file) if str(cfg.target.kind) == "gguf" else None
+    for folder in folders:
+        if (folder / "config.json").is_file():
+            out = llamacpp_engine.write_gguf(cfg.cache_dir, folder, target_dir, [str(t) for t in cfg.export.gguf],
+                                             source)
+            log.info("export.gguf: %s (llama-server command in %s)", out, out / "serve.json")
 
 
 @contextmanager

@@ -125,6 +125,18 @@ class ServingEngine(Choice):  # eval.served.engine
     llamacpp = "llamacpp"  # llama-server on GGUF files (models/llamacpp_engine.py; bash scripts/setup_llamacpp.sh)
 
 
+class GGUFType(Choice):  # export.gguf: what llama.cpp's converter writes (quantizations below 8 bits need llama-quantize)
+    f32 = "f32"  # the exact gate's
+    f16 = "f16"
+    bf16 = "bf16"
+    q8_0 = "q8_0"
+
+
+class ServedMethod(Choice):  # eval.served.method: the own loop's method the served drafter is gated against
+    chain = "chain"  # the drafter's export (DFlash; DFlash2 with its pass-through selector)
+    selector_greedy = "selector_greedy"  # the DFlash2 checkpoint with the trained selector (train/selector/export)
+
+
 class FeatureSource(Choice):  # trainer.features
     dataset = "dataset"  # the teacher dataset's stored features (or the target's, captured in the loop: trainer.online)
     producer = "producer"  # a feature producer's, through a spool (data/producer.py): no target body in the trainer
@@ -454,6 +466,9 @@ class ServedConfig:
     method), with the parity gate (eval/served.py)."""
 
     engine: Optional[ServingEngine] = None  # vllm | llamacpp: serve it in that engine; None: the own loop only
+    # what is served and gated: chain (the drafter's export) | selector_greedy (the DFlash2 checkpoint with the
+    # trained selector, whose walk llama.cpp runs; beside the own loop's selector_greedy; llama.cpp only)
+    method: ServedMethod = ServedMethod.chain
     # reduced precision: the most |served - own| unconditional acceptance per position (and relative tau) the gate
     # passes; float32 needs equal counters
     tolerance: float = ranged(0.02, ge=0.0)
@@ -537,6 +552,17 @@ class PipelineConfig:
 
 
 @dataclass
+class ExportConfig:
+    """What the trained drafter is written as besides its safetensors export (docs/export.md, 'GGUF for llama.cpp').
+    Not part of any stage's hash: adding a type to a finished run writes the files and retrains nothing."""
+
+    # per type: <export>/gguf/drafter-<type>.gguf and target-<type>.gguf, converted by llama.cpp's own converter (a
+    # GGUF target is also linked as it is, in its own quantization), and serve.json with the llama-server command;
+    # for the drafter's export and a DFlash2 selector's (needs bash scripts/setup_llamacpp.sh)
+    gguf: list[GGUFType] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     name: str = "default"
     seed: int = 0
@@ -550,6 +576,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 @functools.cache

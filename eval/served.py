@@ -55,8 +55,9 @@ WHAT = {
     "dflash_config.causal": "the causal flag (DFlash drafts attend bidirectionally)",
     "layer_types": "sliding-window layers", "use_swa": "sliding-window attention",
     "dflash_config.use_swa": "sliding-window attention",
-    "input_embedding_scale": "the scale of the drafter's input embeddings (llama.cpp reads it; absent: 1, and "
-                             "sqrt(hidden) for a Gemma target)",
+    "input_embedding_scale": "the scale of the drafter's input embeddings (dflash_config; llama.cpp reads it for "
+                             "DFlash and DFlash2, absent: sqrt(hidden) for a Gemma target, else 1; vLLM's DFlash2 "
+                             "reads it, absent: 1; vLLM's DFlash reads none: 1)",
 }
 SCALE = "input_embedding_scale"  # the export's (dflash_config, top level, else 1); the own loop's embedding's
 
@@ -112,12 +113,16 @@ def _get(config: dict, dotted: str):
     return node
 
 
-def export_contract(folder: Path) -> dict:
-    """The contract keys of an exported drafter folder as an engine reads them (d2t as a digest of its values)."""
+def export_contract(folder: Path, engine: str = "vllm") -> dict:
+    """The contract keys of an exported drafter folder as `engine` (vllm, llamacpp) reads them (d2t as a digest of
+    its values). vLLM's DFlash (not DFlash2) reads no embedding scale: it drafts from the target's unscaled
+    embeddings, so a Gemma target's drafter (trained with sqrt(hidden)) differs there in this key."""
     config = json.loads((Path(folder) / "config.json").read_text())
     out = {k: _get(config, k) for k in CONTRACT + ENGINE_ONLY if k != "d2t"}
     scale = _get(config, f"dflash_config.{SCALE}")
     out[SCALE] = float(scale if scale is not None else config.get(SCALE, 1.0))
+    if engine == "vllm" and config.get("architectures") == ["DFlashDraftModel"]:
+        out[SCALE] = 1.0
     with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
         out["d2t"] = (hashlib.sha256(f.get_tensor("d2t").long().numpy().tobytes()).hexdigest()[:16]
                       if "d2t" in f.keys() else None)
@@ -316,16 +321,16 @@ RULE_OF = {"greedy": "greedy_draft", "probabilistic": "sampled"}  # vLLM draft_s
 
 
 def own_sampled(target, drafter, prompts: list[list[int]], block_size: int, max_new_tokens: int,
-                temperature: float, seeds: list[int], rule: str) -> list[dict]:
+                temperature: float, seeds: list[int], rule: str, budget: int | None = None) -> list[dict]:
     """The own loop's sampled decodes of every prompt with every seed under acceptance `rule`: per decode its
-    vLLM-style counters and output."""
+    engine-style counters (own_counts, with the engine's draft budget) and output."""
     out = []
     bar = Progress(f"own loop T={temperature} {rule}", len(seeds) * len(prompts), "decode")
     for seed in seeds:
         for i, p in enumerate(prompts):
             gen = torch.Generator().manual_seed(1_000_003 * seed + i)
             res = speculative(target, drafter, p, max_new_tokens, block_size, temperature, gen, acceptance=rule)
-            out.append({**own_counts([res.accepted], block_size - 1), "output": res.tokens, "seed": seed})
+            out.append({**own_counts([res.accepted], block_size - 1, budget), "output": res.tokens, "seed": seed})
             bar.update(1)
     bar.close()
     return out
@@ -373,6 +378,9 @@ def sampled_gate(own: list[dict], served: list[dict], positions: int, alpha: flo
                                                                            alpha)["differ"]:
             line += ("; served matches the own loop's other acceptance rule: the engine's draft sampling is not "
                      "the one configured (eval.served.draft_sample_method)")
+        elif not test["differ"]:  # acceptance agrees, the samples do not: how the engine samples the target
+            line += ("; likely cause: the engine samples the target from another distribution than softmax(logits / "
+                     "T) (its sampler chain: truncation such as top-k / top-p / min-p, penalties)")
         else:
             line += ("; likely cause: a contract key the engine reads differently (check the greedy gate first: "
                      "eval.temperature=0)")
@@ -381,14 +389,14 @@ def sampled_gate(own: list[dict], served: list[dict], positions: int, alpha: flo
 
 def sampled_set(engine: ServedEval, target, drafter, prompts: list[list[int]], block_size: int,
                 max_new_tokens: int, temperature: float, seeds: list[int], batch: int, alpha: float,
-                draft_sample_method: str, label: str = "", own: dict | None = None) -> dict:
+                draft_sample_method: str, label: str = "", own: dict | None = None, budget: int | None = None) -> dict:
     """One eval set at temperature > 0: the engine's decodes (seeded, unseeded, batched), the own loop's under both
     acceptance rules, per-position rates with intervals for each, the served samples' distribution check and the
     gate against the own loop's rule that matches the engine's draft sampling. own: the own loop's decodes per rule
     when already run (own_sampled with the same arguments)."""
     served = engine.run_sampled(prompts, max_new_tokens, target.eos_ids, temperature, seeds, batch, label)
     rule = RULE_OF[draft_sample_method]
-    own = own or {r: own_sampled(target, drafter, prompts, block_size, max_new_tokens, temperature, seeds, r)
+    own = own or {r: own_sampled(target, drafter, prompts, block_size, max_new_tokens, temperature, seeds, r, budget)
                   for r in ACCEPTANCE_RULES}
     both = served["seeded"] + served["unseeded"]
     info = {"version": engine.spec.version, "checks": engine.spec.checks, "repaired": engine.spec.repaired}
@@ -533,8 +541,8 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     beside the own loop's chain runs of the same prompts: per-position acceptance served / own loop / teacher-forced,
     exactness, speed, and the parity gate's verdict per set (greedy: counters equal in float32 in vLLM, within
     eval.served.tolerance in llama.cpp, whose kernels round differently from torch's even in float32; temperature
-    > 0: the statistical gate over seeds, vLLM only)."""
-    llamacpp = str(s.served.engine) == "llamacpp"  # greedy only: eval/stage.py check_llamacpp refused the rest
+    > 0: the statistical gate over seeds)."""
+    llamacpp = str(s.served.engine) == "llamacpp"  # eval/stage.py check_llamacpp refused what it does not run
     sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
     out = {"engine": str(s.served.engine), "target_dir": str(s.target_dir), "threads": s.threads, "dtype": s.dtype,
            "tolerance": s.served.tolerance, "sets": {}}
@@ -549,11 +557,13 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     gate_dtype = f"{s.dtype} in llama.cpp" if llamacpp else s.dtype
     gate = None if sampled else Gate(s.block_size - 1, gate_dtype, s.served.tolerance,
                                      judge.near_ties_allowed() if llamacpp else judge,
-                                     export_contract(s.drafter_dir), drafter_contract(drafter), name,
+                                     export_contract(s.drafter_dir, str(s.served.engine)), drafter_contract(drafter),
+                                     name,
                                      s.max_new_tokens if llamacpp else None)
     if llamacpp:
         engine = LlamaCppServedEval(s.cache_dir, s.target_dir, s.drafter_dir, s.block_size, s.max_model_len,
-                                    s.threads, log_file, outtype="f32" if s.dtype == "float32" else "f16")
+                                    s.threads, log_file, outtype="f32" if s.dtype == "float32" else "f16",
+                                    plain=not sampled)
         out["gguf"] = {"target": str(engine.target_gguf), "drafter": str(engine.drafter_gguf)}
     else:
         engine = ServedEval(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len,
@@ -576,18 +586,21 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
 
 def _sampled(s: ServeSettings, engine: ServedEval, target, drafter, timed: list[dict], label: str) -> dict:
     seeds = [s.seed + i for i in range(s.served.seeds)]
+    llamacpp = isinstance(engine, LlamaCppServedEval)  # one request at a time; drafts capped by the tokens left
     return sampled_set(engine, target, drafter, [p["prompt_ids"] for p in timed], s.block_size, s.max_new_tokens,
-                       s.temperature, seeds, s.served.batch, s.served.alpha, s.served.draft_sample_method, label)
+                       s.temperature, seeds, 0 if llamacpp else s.served.batch, s.served.alpha,
+                       s.served.draft_sample_method, label, budget=s.max_new_tokens if llamacpp else None)
 
 
 def _greedy(s: ServeSettings, engine: ServedEval, gate: Gate, target, timed: list[dict], label: str, own_runs: dict,
             results: dict) -> dict:
-    ar, rounds, spec = own_runs[label]["chain"]
-    own = results["methods"]["chain"][label]
+    method = str(s.served.method)  # chain, or the selector walk the DFlash2 checkpoint runs in the engine
+    ar, rounds, spec = own_runs[label][method]
+    own = results["methods"][method][label]
     batch = 0 if isinstance(engine, LlamaCppServedEval) else s.served.batch  # llama.cpp: one request at a time
     served = engine.run([p["prompt_ids"] for p in timed], s.max_new_tokens, target.eos_ids, s.repeats, batch, label)
     res = compare(served, OwnSet(timed, ar, rounds, spec, own["a_k_online"],
-                                 results["offline"][label]["methods"]["chain"]["a_k"]), gate)
+                                 results["offline"][label]["methods"][method]["a_k"]), gate)
     fastest = min(own.get("ms_per_token_ar_by_dtype", {}).values(), default=own["ms_per_token_ar"])
     res["speedup_vs_own_fastest_ar"] = res["tokens_per_s_spec"] * fastest / 1e3
     return res

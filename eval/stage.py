@@ -133,7 +133,9 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
             results["methods"][m][label] = figures
         own_runs[label] = run.own
     if e.served.engine:  # after the own loop's timing, so that no engine process shares the cores with it
-        settings = served_eval.ServeSettings.of(cfg, s.target, s.drafter_dir, s.block_size)
+        served_dir = s.drafter_dir if str(e.served.method) == "chain" else \
+            Path(component_dirs.get("selector", train_dir / "selector")) / "export"
+        settings = served_eval.ServeSettings.of(cfg, s.target, served_dir, s.block_size)
         results["served"] = served_eval.serve(settings, s.target, s.drafter, s.judge, prompts, own_runs, results)
     return results
 
@@ -155,9 +157,16 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
     baselines = baseline_models(target, [str(d) for d in dtypes], judge)
     methods = load_methods(cfg, drafter, train_dir, component_dirs, drafter_dir)
     if e.served.engine:  # refused before any decoding: what the served eval needs
-        if "chain" not in methods:
-            raise EvalError("eval.served compares the served drafter with the own loop's chain method: add chain to "
-                            "eval.methods")
+        served_method = str(e.served.method)
+        if served_method not in methods:
+            raise EvalError(f"eval.served compares the served drafter with the own loop's {served_method} method: "
+                            f"add {served_method} to eval.methods")
+        if served_method != "chain" and str(e.served.engine) != "llamacpp":
+            raise EvalError(f"eval.served.method={served_method} serves the DFlash2 selector, which vLLM's CPU build "
+                            "does not run (its DFlash2 proposer is in the GPU runner): eval.served.engine=llamacpp")
+        if served_method != "chain" and e.temperature > 0:
+            raise EvalError(f"eval.served.method={served_method} is gated at eval.temperature=0; at temperature the "
+                            "served gate compares the chain method (eval.served.method=chain)")
         if str(e.served.engine) == "llamacpp":
             check_llamacpp(cfg, drafter)
         else:
@@ -167,14 +176,16 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
 
 
 def check_llamacpp(cfg: DictConfig, drafter) -> None:
-    """What eval.served.engine=llamacpp needs, refused in one line before any decoding: its build, greedy decoding,
-    and a drafter over the target's whole vocabulary (llama.cpp's converter maps no draft vocabulary for DFlash)."""
+    """What eval.served.engine=llamacpp needs, refused in one line before any decoding: its build, the one draft
+    sampling it runs, and a drafter over the target's whole vocabulary (llama.cpp's converter maps no draft
+    vocabulary for DFlash)."""
     from dflash_pipeline.models.llamacpp_engine import draft_vocabulary_refused, paths
 
     paths(cfg.cache_dir)
-    if cfg.eval.temperature > 0:
-        raise EvalError("eval.served.engine=llamacpp gates greedy decoding only (eval.temperature=0); serve in vLLM "
-                        "for the gate at temperature (eval.served.engine=vllm)")
+    if cfg.eval.temperature > 0 and str(cfg.eval.served.draft_sample_method) != "greedy":
+        raise EvalError("llama.cpp drafts the drafter's argmax at any temperature and keeps drafts while the target's "
+                        "sample matches them (the own loop's greedy_draft rule): set "
+                        "eval.served.draft_sample_method=greedy, or serve in vLLM (eval.served.engine=vllm)")
     ids = drafter.draft_to_target
     if ids is not None and len(ids) != drafter.config.vocab_size:
         raise EvalError(draft_vocabulary_refused("the drafter", len(ids)))

@@ -28,7 +28,7 @@ def config_json(config) -> dict:
     dflash_config = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
     if config.conv_kernel_size:
         dflash_config.update(conv_kernel_size=config.conv_kernel_size, conv_group_size=config.conv_group_size,
-                             input_embedding_scale=1.0, output_multiplier=1.0, **PASS_THROUGH)
+                             **PASS_THROUGH)
     return {
         "architectures": ["DFlash2DraftModel" if config.conv_kernel_size else "DFlashDraftModel"],
         "model_type": "qwen3",
@@ -53,6 +53,15 @@ def config_json(config) -> dict:
     }
 
 
+def trained_scales(model: nn.Module) -> dict:
+    """The dflash_config keys that say what the drafter's inputs and logits were trained with, which engines would
+    otherwise default: the scale of its input embeddings (the target's embedding module's: Gemma's sqrt(hidden), 1
+    elsewhere; llama.cpp defaults to sqrt(hidden) for a Gemma target, vLLM's DFlash2 to 1) and its logits as the LM
+    head gives them (output multiplier 1, no soft-capping: the drafter never applies the target's)."""
+    scale = getattr(model.embed_tokens, "embed_scale", 1.0)
+    return {"input_embedding_scale": float(scale), "output_multiplier": 1.0}
+
+
 def config_from_json(config_cls, d: dict):
     """Inverse of config_json, building a `config_cls` (DFlashDrafterConfig); keys it does not know (e.g. the
     exporter's "pipeline" section) are ignored."""
@@ -74,8 +83,7 @@ def identity_convolution(config: dict) -> tuple[dict[str, torch.Tensor], dict]:
         for side in ("attention_conv", "mlp_conv"):
             tensors[f"layers.{i}.{side}.base_kernel"] = torch.ones(2, 1, H)
             tensors[f"layers.{i}.{side}.kernel_projection.weight"] = torch.zeros(2, H)
-    return tensors, {"conv_kernel_size": 1, "conv_group_size": H, "input_embedding_scale": 1.0,
-                     "output_multiplier": 1.0}
+    return tensors, {"conv_kernel_size": 1, "conv_group_size": H}
 
 
 def export_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
@@ -119,6 +127,7 @@ def save_export(model: nn.Module, path: str, extra_config: dict | None = None):
     os.makedirs(path, exist_ok=True)
     tensors, top_level = export_tensors(model)
     config = config_json(model.config)
+    config["dflash_config"].update(trained_scales(model))
     config.update(top_level)
     config.update(extra_config or {})
     weights_file, config_file = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -88,6 +89,54 @@ def to_gguf(cache_dir: str | Path, folder: str | Path, out_dir: str | Path, outt
     return out
 
 
+def _place(src: Path, dst: Path) -> None:
+    """`src` at `dst`: a hard link (the cache's file, no second copy) or a copy across file systems, under a
+    temporary name renamed when complete; kept when it already is that file."""
+    if dst.is_file() and dst.stat().st_size == src.stat().st_size and (
+            dst.samefile(src) or dst.stat().st_mtime_ns >= src.stat().st_mtime_ns):
+        return
+    tmp = dst.with_name(dst.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    tmp.replace(dst)
+
+
+def write_gguf(cache_dir: str | Path, export_dir: str | Path, target_dir: str | Path, outtypes: list[str],
+               target_gguf: Path | None = None) -> Path:
+    """The export in `export_dir` as GGUF files llama-server loads, in <export_dir>/gguf/: per type
+    drafter-<type>.gguf and target-<type>.gguf (llama.cpp's converter, cached: to_gguf), `target_gguf` (a target
+    that is a GGUF already, in the user's quantization) linked under its own name, and serve.json naming the files
+    and the llama-server command that serves them. Returns the folder."""
+    export_dir, out = Path(export_dir), Path(export_dir) / "gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((export_dir / "config.json").read_text())
+    cache, log_file = Path(cache_dir) / "llamacpp" / "gguf", out / "convert.log"
+    files = {"drafter": {}, "target": {}}
+    for t in outtypes:
+        for role, made in (("drafter", to_gguf(cache_dir, export_dir, cache, t, target_dir, log_file)),
+                           ("target", to_gguf(cache_dir, target_dir, cache, t, log_file=log_file))):
+            _place(made, out / f"{role}-{t}.gguf")
+            files[role][t] = f"{role}-{t}.gguf"
+    if target_gguf is not None:
+        _place(Path(target_gguf), out / Path(target_gguf).name)
+        files["target"]["source"] = Path(target_gguf).name
+    target = files["target"].get("source") or files["target"][outtypes[0]]
+    drafter = files["drafter"]["f16" if "f16" in files["drafter"] else outtypes[0]]
+    n = config["block_size"] - 1
+    serve = {**files, "architecture": config["architectures"][0], "block_size": config["block_size"],
+             "command": f"llama-server -m {target} -md {drafter} --spec-type draft-dflash --spec-draft-n-max {n} "
+                        "--spec-draft-n-min 0 --spec-draft-p-min 0",
+             "note": "run in this folder; the exact gate serves target-f32 with drafter-f32 "
+                     "(eval.served.engine=llamacpp)"}
+    tmp = out / "serve.json.partial"
+    tmp.write_text(json.dumps(serve, indent=2))
+    tmp.replace(out / "serve.json")
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,6 +155,8 @@ class LlamaServer:
                  threads: int = 1, ctx: int = 4096, log_file: Path | None = None, wait: bool = True):
         p = paths(cache_dir)
         self.port, self.drafts_per_round, self.log_file = _free_port(), block_size - 1, log_file
+        # what the served eval records of an engine (models/vllm_engine.py has the same): no self-checks here
+        self.version, self.checks, self.repaired = f"llama.cpp b{p.get('version', BUILD)}", {}, []
         cmd = [p["server"], "-m", str(target), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
                "--host", "127.0.0.1", "--port", str(self.port), "--metrics", "--no-webui", "--no-warmup"]
         if drafter is not None:
@@ -169,7 +220,8 @@ class LlamaServer:
     def generate(self, prompts: list[list[int]], max_tokens: int, stop_token_ids: list[int], batch: bool = False,
                  temperature: float = 0.0, seeds: list[int | None] | None = None) -> dict:
         """Replies to `prompts` one request at a time (one slot): greedy, or sampled at `temperature` with a seed
-        per prompt. A reply stops at the target's end-of-generation tokens (llama.cpp's own list) and is cut after
+        per prompt (None: a random one). With the drafter, llama.cpp drafts the drafter's argmax at any temperature
+        and keeps drafts while the target's own sample equals them (sample and match). A reply stops at the target's end-of-generation tokens (llama.cpp's own list) and is cut after
         the first of `stop_token_ids`."""
         self.ready()
         if batch:
@@ -178,8 +230,11 @@ class LlamaServer:
         stop = set(stop_token_ids)
         for i, prompt in enumerate(prompts):
             before = self.counters()
+            # greedy: top-1; sampled: softmax(logits / T) untruncated (only the temperature sampler, then the draw;
+            # no mirostat, which would bypass the list)
             body = {"prompt": list(prompt), "n_predict": max_tokens, "temperature": temperature,
-                    "cache_prompt": False, "return_tokens": True, "samplers": ["top_k", "temperature"]}
+                    "cache_prompt": False, "return_tokens": True, "mirostat": 0,
+                    "samplers": ["temperature"] if temperature > 0 else ["top_k", "temperature"]}
             if temperature == 0:
                 body["top_k"] = 1
             if seeds and seeds[i] is not None:

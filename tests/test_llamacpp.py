@@ -40,8 +40,22 @@ def test_a_draft_vocabulary_drafter_is_refused_in_one_line_naming_the_way_out(tm
     if llamacpp_missing() is None:
         with pytest.raises(EvalError, match=r"64-token vocabulary.*trainer.draft_vocab_size=null"):
             check_llamacpp(cfg, drafter)
-    with pytest.raises((EvalError, llamacpp_engine.LlamaCppError), match="eval.temperature=0|setup_llamacpp.sh"):
-        check_llamacpp(make_config("eval.served.engine=llamacpp", "eval.temperature=0.5"), drafter)
+    full = SimpleNamespace(draft_to_target=None, config=SimpleNamespace(vocab_size=512))
+    with pytest.raises((EvalError, llamacpp_engine.LlamaCppError),
+                       match="draft_sample_method=greedy|setup_llamacpp.sh"):
+        check_llamacpp(make_config("eval.served.engine=llamacpp", "eval.temperature=0.5",
+                                   "eval.served.draft_sample_method=probabilistic"), full)
+
+
+def test_export_gguf_is_refused_before_training_for_a_draft_vocabulary(tmp_path):
+    """export.gguf with a draft-vocabulary recipe stops in one line before any stage runs (no teacher data, no
+    training to throw away)."""
+    from dflash_pipeline.cli.entrypoints import run_stages
+
+    cfg = make_config("export.gguf=[f32]", "trainer.draft_vocab_size=64")
+    with pytest.raises(llamacpp_engine.LlamaCppError, match="64-token vocabulary.*draft_vocab_size=null|setup_llamacpp"):
+        run_stages(cfg, tmp_path / "run", ["teacher", "components"])
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +64,36 @@ def llamacpp_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("tiny_llamacpp")
     run_command(["dflash-pipeline", "experiment=tiny_llamacpp", f"hydra.run.dir={run_dir}"], timeout=1800)
     return run_dir
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_export_writes_gguf_files_llama_server_serves(llamacpp_run):
+    """export.gguf (tiny_llamacpp: f32): the drafter and the target as GGUF beside the export, the same files the
+    served eval converted, and serve.json's llama-server command naming them."""
+    out = llamacpp_run / "train" / "export" / "gguf"
+    serve = json.loads((out / "serve.json").read_text())
+    assert serve["architecture"] == "DFlashDraftModel" and serve["block_size"] == 4
+    for role in ("drafter", "target"):
+        assert (out / serve[role]["f32"]).stat().st_size > 0
+    served_files = json.loads((llamacpp_run / "eval" / "eval_results.json").read_text())["served"]["gguf"]
+    assert (out / "drafter-f32.gguf").samefile(served_files["drafter"])
+    assert "-md drafter-f32.gguf --spec-type draft-dflash --spec-draft-n-max 3" in serve["command"]
+    assert not list(out.glob("*.partial"))
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_sampled_gate_in_llamacpp(llamacpp_run):
+    """At T > 0 llama-server drafts the argmax and keeps drafts while the target's sample matches them: the
+    statistical gate against the own loop's greedy_draft rule passes, and the served samples follow the target's
+    distribution (a sampler chain that truncates, e.g. llama.cpp's default top-k 40, fails it: PIT p ~ 0)."""
+    run_command(["dflash-pipeline", "experiment=tiny_llamacpp", f"hydra.run.dir={llamacpp_run}",
+                 "eval.temperature=0.1", "eval.out_dir=eval_t01", "eval.datasets=[mtbench]"], timeout=1200)
+    res = json.loads((llamacpp_run / "eval_t01" / "eval_results.json").read_text())["served"]
+    s = res["sets"]["mtbench"]
+    assert res["pass"] and s["rule"] == "greedy_draft" and s["engine"]["version"].startswith("llama.cpp"), s["gate"]
+    assert s["tau_served"] > 1.15 and s["gate"]["distribution_p"] > 0.01  # drafts accepted: the test can tell
 
 
 @pytest.mark.slow
@@ -96,7 +140,7 @@ def test_gate_catches_each_planted_mismatch_in_llamacpp(llamacpp_run, tmp_path):
         with llamacpp_engine.LlamaServer(cfg.cache_dir, target_gguf, drafter_gguf, block_size=B, ctx=512,
                                          log_file=tmp_path / f"llamacpp-{mismatch}.log") as server:
             counts = served.summed(server.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
-        verdict = served.gate(own, counts, "float32 in llama.cpp", 0.02, True, served.export_contract(out),
+        verdict = served.gate(own, counts, "float32 in llama.cpp", 0.02, True, served.export_contract(out, "llamacpp"),
                               own_contract)
         caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
     assert caught.pop("none")[0], "the export as trained must serve at parity"

@@ -150,6 +150,35 @@ def plant(src: Path, dst: Path, mismatch: str) -> Path:
     return dst
 
 
+def test_a_scaled_embedding_is_exported_and_read_as_each_engine_reads_it(tmp_path, target):
+    """A drafter on a target whose embedding module scales (Gemma's sqrt(hidden)) exports that scale with its logits
+    as trained (multiplier 1, no soft-capping), as DFlash and as DFlash2: llama.cpp and vLLM's DFlash2 read it, so
+    their contract matches the own loop's; vLLM's DFlash reads none, and the gate names input_embedding_scale."""
+    m = target.model
+
+    class Scaled(torch.nn.Module):  # transformers' Gemma scaled word embedding, as the drafter sees it
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.embedding_dim, self.embed_scale = inner, inner.embedding_dim, torch.tensor(8.0)
+
+        def forward(self, ids):
+            return self.inner(ids) * self.embed_scale
+
+    for conv in (0, 3):
+        cfg = make_config(f"drafter.conv_kernel_size={conv}")
+        drafter = DFlashDrafter(drafter_config(cfg, target, TAPS), Scaled(m.get_input_embeddings()),
+                                m.get_output_embeddings())
+        folder = tmp_path / f"conv{conv}"
+        drafter.save_pretrained(str(folder))
+        nested = json.loads((folder / "config.json").read_text())["dflash_config"]
+        assert nested["input_embedding_scale"] == 8.0 and nested["output_multiplier"] == 1.0
+        assert "final_logit_softcapping" not in nested
+        own = served.drafter_contract(drafter)
+        assert served.likely_keys(served.export_contract(folder, "llamacpp"), own) == []
+        in_vllm = served.likely_keys(served.export_contract(folder, "vllm"), own)
+        assert in_vllm == ([] if conv else [served.SCALE])
+
+
 PLANTED = {"taps": "dflash_config.target_layer_ids", "mask": "dflash_config.mask_token_id",
            "causal": "dflash_config.causal", "rope": "rope_theta", "d2t": "d2t"}
 
