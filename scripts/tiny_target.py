@@ -12,6 +12,7 @@ or Mamba layers, MLA, sliding windows shorter than the prompts, attention sinks,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -34,7 +35,10 @@ def _families() -> dict[str, tuple[str, str, dict]]:
                        linear_value_head_dim=COMMON["head_dim"],
                        linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=3)
     gemma4_text = dict(COMMON, num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=16,
-                       layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                       # as Gemma 4 lays them out: the KV-sharing layers at the end reuse the last unshared
+                       # sliding and full layers, the two just before them (llama.cpp assumes that order)
+                       layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
+                                                                "full_attention"],
                        hidden_size_per_layer_input=16, num_kv_shared_layers=2,
                        final_logit_softcapping=30.0)
     return {
@@ -107,9 +111,22 @@ def build(family: str, out: str | Path, tokenizer: str | Path, std: float = 0.1,
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    if family == "gemma4":
+        gemma_tokenizer_json(tmp / "tokenizer.json")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def gemma_tokenizer_json(file: Path) -> None:
+    """Give a byte-level BPE tokenizer.json the shape of Gemma's (byte fallback, a sequence of decoders), which
+    llama.cpp's Gemma 4 converter requires; every id and every encoding stays the same (a byte-level alphabet
+    has no unknown bytes to fall back on)."""
+    data = json.loads(file.read_text())
+    data["model"]["byte_fallback"] = True
+    if data["decoder"]["type"] != "Sequence":
+        data["decoder"] = {"type": "Sequence", "decoders": [data["decoder"]]}
+    file.write_text(json.dumps(data, ensure_ascii=False))
 
 
 def smollm2_tokenizer() -> Path:

@@ -84,6 +84,25 @@ def test_export_writes_gguf_files_llama_server_serves(llamacpp_run):
 
 @pytest.mark.slow
 @needs_llamacpp
+def test_dflash2_selector_walk_in_llamacpp_passes_the_gate(llamacpp_run, tmp_path):
+    """experiment=tiny_llamacpp_dflash2 on the fixture's teacher data: the DFlash2 checkpoint (convolution and the
+    trained selector) written as GGUF and served by llama-server, whose selector walk drafts what the own loop's
+    selector_greedy drafts: the gate passes, and the selector changes the drafts (its tau is not the chain's)."""
+    run = tmp_path / "dflash2"
+    run_command(["dflash-pipeline", "experiment=tiny_llamacpp_dflash2", f"trainer.data_dir={llamacpp_run / 'teacher'}",
+                 "eval.datasets=[mtbench]", f"hydra.run.dir={run}"], timeout=1800)
+    serve = json.loads((run / "train" / "selector" / "export" / "gguf" / "serve.json").read_text())
+    assert serve["architecture"] == "DFlash2DraftModel"
+    results = json.loads((run / "eval" / "eval_results.json").read_text())
+    s = results["served"]["sets"]["mtbench"]
+    assert results["served"]["pass"] and not s["wrong"], s["gate"]["line"]
+    assert s["counters_served"]["accepted"] > 0 and s["gate"]["prompts_compared"] >= 3
+    chain, walk = (results["methods"][m]["mtbench"]["a_k_online"] for m in ("chain", "selector_greedy"))
+    assert chain != walk
+
+
+@pytest.mark.slow
+@needs_llamacpp
 def test_sampled_gate_in_llamacpp(llamacpp_run):
     """At T > 0 llama-server drafts the argmax and keeps drafts while the target's sample matches them: the
     statistical gate against the own loop's greedy_draft rule passes, and the served samples follow the target's
