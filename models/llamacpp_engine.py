@@ -163,8 +163,9 @@ class LlamaServer:
             # every round drafts the whole block (no confidence cut), as the own loop and vLLM do
             cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
                     "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--spec-draft-threads", str(threads)]
-        # two OpenMP pools (target and drafter) spinning on the same few cores stall each other: wait passively
-        env = dict(os.environ, OMP_WAIT_POLICY="passive")
+        # two OpenMP pools (target and drafter) spinning on the same few cores stall each other: wait passively,
+        # unless the caller's environment says otherwise
+        env = {"OMP_WAIT_POLICY": "passive", **os.environ}
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         if log_file:

@@ -165,3 +165,51 @@ def test_gate_catches_each_planted_mismatch_in_llamacpp(llamacpp_run, tmp_path):
     assert caught.pop("none")[0], "the export as trained must serve at parity"
     for mismatch, (passed, keys, per_pos) in caught.items():
         assert not passed and keys == [planted[mismatch]], (mismatch, per_pos, own)
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_gemma4_target_and_its_drafter_in_llamacpp(tmp_path):
+    """The tiny Gemma 4 target (per-layer embeddings, KV sharing, soft-capped logits), converted and served by
+    llama.cpp, decodes as the target itself does (but for near-ties); its drafter's export carries the embedding
+    scale it trains with (sqrt(hidden) = 8), which llama.cpp's GGUF holds, and speculation leaves the outputs as
+    plain decoding makes them."""
+    import sys
+
+    from conftest import ROOT, chat_prompt_ids
+    from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
+    from dflash_pipeline.models.drafter import DFlashDrafter
+    from dflash_pipeline.models.target import load_target
+    from dflash_pipeline.train.drafter import drafter_config
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tiny_target
+
+    folder = tiny_target.build("gemma4", tmp_path / "gemma4", tiny_target.smollm2_tokenizer(), std=0.2)
+    cfg = make_config("target=hf", f"target.path={folder}", "drafter.conv_kernel_size=0")
+    target = load_target(cfg.target, cfg.cache_dir)
+    m = target.model
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(cfg, target, [1, 3]), m.get_input_embeddings(), m.get_output_embeddings())
+    drafter.save_pretrained(str(tmp_path / "export"))
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dflash_config"]["input_embedding_scale"] == 8
+    gguf_dir = tmp_path / "gguf"
+    target_gguf = llamacpp_engine.to_gguf(cfg.cache_dir, folder, gguf_dir)
+    drafter_gguf = llamacpp_engine.to_gguf(cfg.cache_dir, tmp_path / "export", gguf_dir, target_dir=folder)
+    sys.path.insert(0, llamacpp_engine.paths(cfg.cache_dir)["gguf_py"])
+    import gguf
+
+    field = gguf.GGUFReader(drafter_gguf).fields["dflash.embedding_scale"]
+    assert float(field.parts[field.data[0]][0]) == 8.0
+    prompts = chat_prompt_ids(target.tokenizer, ["Write a haiku about the sea.", "What is 12 times 7?",
+                                                 "Name three rivers in Europe."])
+    new, eos = 24, sorted(target.eos_ids)
+    judge = ExactnessJudge(m, cfg.eval.near_tie_tolerance).near_ties_allowed()
+    with llamacpp_engine.LlamaServer(cfg.cache_dir, target_gguf, ctx=512, block_size=4) as plain, \
+            llamacpp_engine.LlamaServer(cfg.cache_dir, target_gguf, drafter_gguf, ctx=512, block_size=4) as spec:
+        outs = [server.generate(prompts, new, eos)["outputs"] for server in (plain, spec)]
+    assert outs[0] == outs[1]
+    for p, out in zip(prompts, outs[0]):
+        ref = m.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=eos,
+                         pad_token_id=target.tokenizer.pad_token_id)[0, len(p):].tolist()
+        assert judge.classify(p, ref, out).kind in (IDENTICAL, NEAR_TIE), (ref, out)
