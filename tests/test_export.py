@@ -211,6 +211,10 @@ def test_export_contents(tmp_path, target):
         H, V = drafter.config.hidden_size, drafter.config.vocab_size
         assert config["vocab_size"] == V == target.model.config.vocab_size
         assert not {"embed_tokens.weight", "draft_to_target", "t2d"} & set(tensors)
+        # the config's keys, and in dflash_config what the inputs and logits trained with (a Llama target: unscaled)
+        assert config.pop("dflash_config") == {**drafter.config.to_dict()["dflash_config"],
+                                               "input_embedding_scale": 1.0, "output_multiplier": 1.0}
+        config["dflash_config"] = drafter.config.to_dict()["dflash_config"]
         if not draft_vocab:
             own_keys = set(tensors)
             assert config == {**drafter.config.to_dict(), **extra}  # the full-vocabulary format, nothing added
