@@ -152,7 +152,8 @@ class LlamaServer:
     "seconds", "spec": per request {drafts, draft_tokens, accepted, accepted_per_pos}}."""
 
     def __init__(self, cache_dir: str | Path, target: Path, drafter: Path | None = None, block_size: int = 16,
-                 threads: int = 1, ctx: int = 4096, log_file: Path | None = None, wait: bool = True):
+                 threads: int = 1, ctx: int = 4096, log_file: Path | None = None, wait: bool = True,
+                 omp_wait: str | None = "passive"):
         p = paths(cache_dir)
         self.port, self.drafts_per_round, self.log_file = _free_port(), block_size - 1, log_file
         # what the served eval records of an engine (models/vllm_engine.py has the same): no self-checks here
@@ -163,9 +164,11 @@ class LlamaServer:
             # every round drafts the whole block (no confidence cut), as the own loop and vLLM do
             cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
                     "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--spec-draft-threads", str(threads)]
-        # two OpenMP pools (target and drafter) spinning on the same few cores stall each other: wait passively,
-        # unless the caller's environment says otherwise
-        env = {"OMP_WAIT_POLICY": "passive", **os.environ}
+        # OMP_WAIT_POLICY of the server's OpenMP threads (passive | active; None: the runtime's default, a short
+        # spin): docs/results/llamacpp.md measures them
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if omp_wait:
+            env["OMP_WAIT_POLICY"] = omp_wait
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         if log_file:

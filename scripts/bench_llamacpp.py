@@ -1,25 +1,25 @@
 """Benchmark: llama.cpp's plain decoding against the same server with a trained drafter, side by side in one run.
 
     python scripts/bench_llamacpp.py --run runs/<a run with a full-vocabulary drafter> [--threads 1 2]
-                                     [--exports <export> ...] [--target embedded|f32] [--drafter-type f32 f16]
-                                     [--untrained] [--shaped smollm2_1.7b] [--set target.path=...]
-                                     [--omp-wait passive active] [--prompts 6] [--max-new-tokens 64] [--repeats 3]
-                                     [--json out.json]
+        [--exports <export> ...] [--target embedded|f32] [--drafter-type f32 f16] [--untrained]
+        [--shaped smollm2_1.7b] [--set target.path=...] [--omp-wait passive active default] [--prompts 6]
+        [--max-new-tokens 64] [--repeats 3] [--json out.json]
 
 The target is the run's: `embedded` serves the GGUF the target was loaded from (the embedded SmolLM2 is Q4_1), `f32`
-its float32 folder converted by llama.cpp's converter; --shaped a larger SmolLM2's shapes with random weights
-(the cost of a round at that size: an untrained drafter, acceptance meaningless). The drafters are the run's export, or the --exports given
-(drafters of the same target: a DFlash export, a DFlash2 selector's checkpoint), each converted with the target's
-folder (models/llamacpp_engine.py). --omp-wait sets both servers' OMP_WAIT_POLICY, each in turn. Prompts: the first MT-Bench turns in the target's chat template. Per thread
-count, a plain and a speculative llama-server (one slot, one request at a time) run the prompts in the order plain,
-spec, spec, plain x --repeats after a warm-up; tokens/s is the median over requests of reply tokens / wall time,
-the ratio spec / plain of those medians, tau and a_k from llama.cpp's own counters.
+its float32 folder converted by llama.cpp's converter; --shaped a larger SmolLM2's shapes with random weights (the
+cost of a round at that size, with an untrained drafter: acceptance is meaningless there). The drafters are the
+run's export, or the --exports given (drafters of the same target: a DFlash export, a DFlash2 selector's checkpoint),
+each converted with the target's folder (models/llamacpp_engine.py). --omp-wait sets both servers'
+OMP_WAIT_POLICY, each in turn (default: OpenMP's own). Prompts: the first MT-Bench turns in the target's chat
+template. Per thread count, a plain and a speculative llama-server (one slot, one request at a time) run the prompts
+in the order plain, spec, spec, plain x --repeats after a warm-up; tokens/s is the median over requests of reply
+tokens / wall time, the ratio spec / plain of those medians, tau and a_k from llama.cpp's own counters, and the
+break-even tau: a round's time in plain steps (tau x plain / spec), the tau above which the drafter would pay.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -40,8 +40,8 @@ def main() -> None:
     ap.add_argument("--exports", type=Path, nargs="+",
                     help="drafter exports to serve, side by side (default: the run's train/export); a DFlash2 "
                          "selector's checkpoint is train/selector/export")
-    ap.add_argument("--omp-wait", nargs="+", default=["passive"], choices=["passive", "active"],
-                    help="OMP_WAIT_POLICY of both servers, each measured in turn")
+    ap.add_argument("--omp-wait", nargs="+", default=["passive"], choices=["passive", "active", "default"],
+                    help="OMP_WAIT_POLICY of both servers, each measured in turn (default: OpenMP's own)")
     ap.add_argument("--untrained", action="store_true",
                     help="serve a randomly initialised full-vocabulary DFlash drafter of the run's shape instead: what "
                          "a round costs on the target whatever the acceptance (a target no drafter was trained for)")
@@ -105,12 +105,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for wait, threads in ((w, t) for w in a.omp_wait for t in a.threads):
-        os.environ["OMP_WAIT_POLICY"] = wait  # LlamaServer keeps the caller's
-        plain = L.LlamaServer(cfg.cache_dir, target_gguf, threads=threads, ctx=2048, block_size=block)
+        policy = None if wait == "default" else wait
+        plain = L.LlamaServer(cfg.cache_dir, target_gguf, threads=threads, ctx=2048, block_size=block,
+                              omp_wait=policy)
         try:
             for kind, drafter in drafters.items():
                 with L.LlamaServer(cfg.cache_dir, target_gguf, drafter, block_size=block, threads=threads,
-                                   ctx=2048) as spec:
+                                   ctx=2048, omp_wait=policy) as spec:
                     for server in (plain, spec):
                         server.generate(prompts[:1], a.max_new_tokens, eos)  # warm-up
                     times = {"plain": [], "spec": []}
