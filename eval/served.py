@@ -163,10 +163,12 @@ def gate(own: dict, served: dict, dtype: str, tolerance: float, outputs_ok: bool
     if dtype == "float32":
         ok = own["drafts"] == served["drafts"] and own["accepted_per_pos"] == served["accepted_per_pos"]
         rule = "counters equal (float32)"
+        apart = [k for k, (a, b) in enumerate(zip(own["accepted_per_pos"], served["accepted_per_pos"])) if a != b]
     else:
         diffs = [abs(a - b) for a, b in zip(ro["rate_k"], rs["rate_k"])]
         ok = max(diffs, default=0.0) <= tolerance and abs(rs["tau"] - ro["tau"]) <= tolerance * ro["tau"]
         rule = f"per-position rates within {tolerance} ({dtype})"
+        apart = [k for k, d in enumerate(diffs) if d > tolerance]
     ok = ok and outputs_ok
     keys = likely_keys(served_contract, own_contract)
     if ok:
@@ -174,8 +176,14 @@ def gate(own: dict, served: dict, dtype: str, tolerance: float, outputs_ok: bool
         if keys:
             line += f"; note: the export differs from the drafter in {', '.join(keys)}"
     else:
+        first = ""
+        if apart:  # where the two part first, and which side moved
+            k = apart[0]
+            side = "the engine accepts less" if rs["rate_k"][k] < ro["rate_k"][k] else "the engine accepts more"
+            first = (f"; first apart at draft position {k + 1}: served rate {rs['rate_k'][k]:.3f} vs own "
+                     f"{ro['rate_k'][k]:.3f} ({side})")
         where = (f"served tau {rs['tau']:.3f} a_k {[round(x, 3) for x in rs['a_k']]} vs own loop tau {ro['tau']:.3f} "
-                 f"a_k {[round(x, 3) for x in ro['a_k']]}"
+                 f"a_k {[round(x, 3) for x in ro['a_k']]}{first}"
                  + ("" if outputs_ok else "; served outputs are not exact"))
         if keys:
             cause = "; ".join(f"{k} ({WHAT.get(k, 'a contract key')}): export {served_contract.get(k)!r}, "

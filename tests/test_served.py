@@ -62,6 +62,9 @@ def test_gate_needs_equal_counters_in_float32_and_a_tolerance_in_bf16():
     far = {"drafts": 100, "accepted": 30, "accepted_per_pos": [22, 6, 2]}
     verdict = served.gate(own, far, "bfloat16", 0.02, True, same, same)
     assert not verdict["pass"] and verdict["line"].startswith("PARITY FAILED")
+    assert "first apart at draft position 1: served rate 0.220 vs own 0.300 (the engine accepts less)" in verdict["line"]
+    later = {"drafts": 100, "accepted": 45, "accepted_per_pos": [30, 13, 2]}
+    assert "first apart at draft position 2" in served.gate(own, later, "float32", 0.02, True, same, same)["line"]
     # equal counters but a served output that is not exact: fails too
     assert not served.gate(own, dict(own), "float32", 0.02, False, same, same)["pass"]
 
