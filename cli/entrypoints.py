@@ -134,8 +134,10 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
                           "drop selector from pipeline.components, or set the weight to 0 for a frozen-drafter one")
     if "eval" in stages:  # refused before the teacher or training runs
         from dflash_pipeline.eval.methods import check_names
+        from dflash_pipeline.eval.stage import check_served
 
         check_names(cfg.eval.methods)
+        check_served(cfg)
     dirs = stage_dirs(cfg, run_dir, shared_dir, tuple(dict.fromkeys(components)))
     outputs = {}
 
@@ -148,7 +150,7 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
             run_train(cfg, dirs[stage], data_dir=dirs["teacher"], component=name,
                       drafter_dir=None if name == "drafter" else dirs["train"] / "export")
         if cfg.export.gguf:
-            write_gguf(cfg, name, dirs[stage])
+            export_gguf(cfg, name, dirs[stage])
         outputs[stage] = dirs[stage]
 
     def run(stage: str) -> None:
@@ -184,34 +186,45 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
 
 
 def check_gguf_export(cfg: DictConfig) -> None:
-    """What export.gguf needs, refused in one line before any stage runs: llama.cpp's build and a drafter over the
-    whole vocabulary (llama.cpp's converter maps no draft vocabulary for DFlash drafters)."""
+    """What export.gguf needs, refused in one line before any stage runs: a drafter over the whole vocabulary
+    (llama.cpp's converter maps no draft vocabulary for DFlash drafters), a target folder on this machine (the
+    converter reads it) and llama.cpp's build."""
     from dflash_pipeline.models.llamacpp_engine import LlamaCppError, draft_vocabulary_refused, paths
 
-    paths(cfg.cache_dir)
     if cfg.trainer.draft_vocab_size is not None:
         raise LlamaCppError("export.gguf: " + draft_vocabulary_refused("the drafter", cfg.trainer.draft_vocab_size))
+    if str(cfg.target.kind) == "hf" and not Path(str(cfg.target.path)).expanduser().is_dir():
+        raise LlamaCppError(f"export.gguf converts the target's folder, and target.path={cfg.target.path} is not a "
+                            "folder here: download it first (huggingface-cli download ... --local-dir DIR) and set "
+                            "target.path=DIR")
+    paths(cfg.cache_dir)
 
 
-def write_gguf(cfg: DictConfig, component: str, stage_dir: Path) -> None:
-    """export.gguf after a training stage: the drafter's export and a DFlash2 selector's (trained jointly with the
-    drafter, or on it) as GGUF files llama.cpp serves (models/llamacpp_engine.py write_gguf); llama.cpp runs no other
-    component."""
+def export_gguf(cfg: DictConfig, component: str, stage_dir: Path) -> None:
+    """export.gguf after a training stage, by the main process: the drafter's export and a DFlash2 selector's (the
+    drafter stage's own when trained jointly, else the selector stage's) as GGUF files llama.cpp serves
+    (models/llamacpp_engine.py write_gguf); llama.cpp runs no other component."""
+    import torch
+    from accelerate import PartialState
+
     from dflash_pipeline.models import llamacpp_engine
     from dflash_pipeline.models.target import _gguf_source, target_folder
 
-    folders = {"drafter": [stage_dir / "export", stage_dir / "selector" / "export"],
+    joint = cfg.trainer.selector_loss_weight > 0
+    folders = {"drafter": [stage_dir / "export", *([stage_dir / "selector" / "export"] if joint else [])],
                "selector": [stage_dir / "export"]}.get(component)
     if folders is None:
         log.info("export.gguf: llama.cpp serves DFlash and DFlash2 drafters, not a %s: no GGUF for it", component)
         return
-    target_dir = target_folder(cfg.target, cfg.cache_dir)
-    source = _gguf_source(cfg.target.path, cfg.target.gguf_file) if str(cfg.target.kind) == "gguf" else None
-    for folder in folders:
-        if (folder / "config.json").is_file():
+    state = PartialState(cpu=not torch.cuda.is_available())  # as data/teacher.py
+    if state.is_main_process:
+        target_dir = target_folder(cfg.target, cfg.cache_dir)
+        source = _gguf_source(cfg.target.path, cfg.target.gguf_file) if str(cfg.target.kind) == "gguf" else None
+        for folder in folders:
             out = llamacpp_engine.write_gguf(cfg.cache_dir, folder, target_dir, [str(t) for t in cfg.export.gguf],
                                              source)
             log.info("export.gguf: %s (llama-server command in %s)", out, out / "serve.json")
+    state.wait_for_everyone()
 
 
 @contextmanager

@@ -127,6 +127,11 @@ def make_method(name: str, drafter, exports: dict[str, Path] | None = None, poli
     return entry.make(MethodInputs(drafter, dict(exports or {}), policy, config, budget))
 
 
+def component_export(component: str, train_dir: Path, component_dirs: dict[str, Path]) -> Path:
+    """A component's export folder: its stage's (component_dirs), else <train_dir>/<component>/export."""
+    return Path(component_dirs.get(component, train_dir / component)) / "export"
+
+
 def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, component_dirs: dict[str, Path],
                  drafter_dir: Path | None = None) -> dict:
     """{name: method} for eval.methods, each on the drafter with its component's trained export (refused when that
@@ -135,7 +140,7 @@ def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, compo
     for name, (base, budget) in evaluated_names(cfg.eval.methods, cfg.eval.tree_budgets).items():
         exports = {}
         for component in method(base).components()[1:]:
-            exports[component] = Path(component_dirs.get(component, train_dir / component)) / "export"
+            exports[component] = component_export(component, train_dir, component_dirs)
             if not (exports[component] / "config.json").is_file():
                 raise EvalError(f"eval method {name} needs the trained {component} at {exports[component]}: run "
                                 f"dflash-train trainer.component={component} (or add it to pipeline.components)")

@@ -33,6 +33,7 @@ from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
 from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.eval.metrics import median
 from dflash_pipeline.models import llamacpp_engine
+from dflash_pipeline.models.export import trained_scales
 from dflash_pipeline.models.target import target_folder
 from dflash_pipeline.models.vllm_engine import VLLMEngine, close_engines, speculative_config
 
@@ -133,7 +134,7 @@ def drafter_contract(drafter) -> dict:
     """The same keys for the drafter the own loop runs (what it was trained as)."""
     config = drafter.config.to_dict()
     out = {k: _get(config, k) for k in CONTRACT + ENGINE_ONLY if k != "d2t"}
-    out[SCALE] = float(getattr(drafter.embed_tokens, "embed_scale", 1.0))  # Gemma's scaled embedding module
+    out[SCALE] = trained_scales(drafter)[SCALE]  # Gemma's scaled embedding module: sqrt(hidden)
     ids = drafter.draft_to_target
     full = ids is None or len(ids) == drafter.config.vocab_size
     out["draft_vocab_size"] = None if full else len(ids)
@@ -177,9 +178,11 @@ def gate(own: dict, served: dict, dtype: str, tolerance: float, outputs_ok: bool
             line += f"; note: the export differs from the drafter in {', '.join(keys)}"
     else:
         first = ""
-        if apart:  # where the two part first, and which side moved
+        if apart:  # where the two part first, and which side moved (float32: by the counts)
             k = apart[0]
-            side = "the engine accepts less" if rs["rate_k"][k] < ro["rate_k"][k] else "the engine accepts more"
+            pair = ((served["accepted_per_pos"][k], own["accepted_per_pos"][k]) if dtype == "float32" else
+                    (rs["rate_k"][k], ro["rate_k"][k]))
+            side = "the engine accepts less" if pair[0] < pair[1] else "the engine accepts more"
             first = (f"; first apart at draft position {k + 1}: served rate {rs['rate_k'][k]:.3f} vs own "
                      f"{ro['rate_k'][k]:.3f} ({side})")
         where = (f"served tau {rs['tau']:.3f} a_k {[round(x, 3) for x in rs['a_k']]} vs own loop tau {ro['tau']:.3f} "
@@ -382,13 +385,13 @@ def sampled_gate(own: list[dict], served: list[dict], positions: int, alpha: flo
         if broken:
             line += "; cause: the engine's bug, vLLM " + str(engine.get("version")) + ": " + "; ".join(
                 ENGINE_BUGS.get(k, k) for k in broken) + " (eval.served.repair=true serves it mended)"
+        elif not test["differ"]:  # acceptance agrees, the samples do not: how the engine samples the target
+            line += ("; likely cause: the engine samples the target from another distribution than softmax(logits / "
+                     "T) (its sampler chain: truncation such as top-k / top-p / min-p, penalties)")
         elif other_rule is not None and not significance.compare_positions(other_rule, served, positions,
                                                                            alpha)["differ"]:
             line += ("; served matches the own loop's other acceptance rule: the engine's draft sampling is not "
                      "the one configured (eval.served.draft_sample_method)")
-        elif not test["differ"]:  # acceptance agrees, the samples do not: how the engine samples the target
-            line += ("; likely cause: the engine samples the target from another distribution than softmax(logits / "
-                     "T) (its sampler chain: truncation such as top-k / top-p / min-p, penalties)")
         else:
             line += ("; likely cause: a contract key the engine reads differently (check the greedy gate first: "
                      "eval.temperature=0)")

@@ -27,7 +27,7 @@ from dflash_pipeline.eval.exactness import ExactnessJudge
 from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.eval.inputs import (dataset_source, load_drafter, numerics, prompt_sets, reply_items,
                                          teacher_heldout_items)
-from dflash_pipeline.eval.methods import check_names, load_methods, runnable
+from dflash_pipeline.eval.methods import check_names, component_export, load_methods, runnable
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.eval.online import baseline_models, run_online
 from dflash_pipeline.eval.policies import EvalContext
@@ -134,7 +134,7 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
         own_runs[label] = run.own
     if e.served.engine:  # after the own loop's timing, so that no engine process shares the cores with it
         served_dir = s.drafter_dir if str(e.served.method) == "chain" else \
-            Path(component_dirs.get("selector", train_dir / "selector")) / "export"
+            component_export("selector", train_dir, component_dirs)
         settings = served_eval.ServeSettings.of(cfg, s.target, served_dir, s.block_size)
         results["served"] = served_eval.serve(settings, s.target, s.drafter, s.judge, prompts, own_runs, results)
     return results
@@ -157,16 +157,7 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
     baselines = baseline_models(target, [str(d) for d in dtypes], judge)
     methods = load_methods(cfg, drafter, train_dir, component_dirs, drafter_dir)
     if e.served.engine:  # refused before any decoding: what the served eval needs
-        served_method = str(e.served.method)
-        if served_method not in methods:
-            raise EvalError(f"eval.served compares the served drafter with the own loop's {served_method} method: "
-                            f"add {served_method} to eval.methods")
-        if served_method != "chain" and str(e.served.engine) != "llamacpp":
-            raise EvalError(f"eval.served.method={served_method} serves the DFlash2 selector, which vLLM's CPU build "
-                            "does not run (its DFlash2 proposer is in the GPU runner): eval.served.engine=llamacpp")
-        if served_method != "chain" and e.temperature > 0:
-            raise EvalError(f"eval.served.method={served_method} is gated at eval.temperature=0; at temperature the "
-                            "served gate compares the chain method (eval.served.method=chain)")
+        check_served(cfg)
         if str(e.served.engine) == "llamacpp":
             check_llamacpp(cfg, drafter)
         else:
@@ -175,20 +166,38 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
     return Setup(cfg, device, target, drafter, drafter_dir, B, methods, not_run, judge, baselines)
 
 
-def check_llamacpp(cfg: DictConfig, drafter) -> None:
-    """What eval.served.engine=llamacpp needs, refused in one line before any decoding: its build, the one draft
-    sampling it runs, and a drafter over the target's whole vocabulary (llama.cpp's converter maps no draft
-    vocabulary for DFlash)."""
-    from dflash_pipeline.models.llamacpp_engine import draft_vocabulary_refused, paths
-
-    paths(cfg.cache_dir)
-    if cfg.eval.temperature > 0 and str(cfg.eval.served.draft_sample_method) != "greedy":
+def check_served(cfg: DictConfig) -> None:
+    """eval.served settings that do not fit together, refused in one line from the config alone (dflash-pipeline
+    asks before any stage runs)."""
+    e = cfg.eval
+    if not e.served.engine:
+        return
+    method, llamacpp = str(e.served.method), str(e.served.engine) == "llamacpp"
+    if method not in [str(m) for m in e.methods]:
+        raise EvalError(f"eval.served compares the served drafter with the own loop's {method} method: add {method} "
+                        "to eval.methods")
+    if method != "chain" and not llamacpp:
+        raise EvalError(f"eval.served.method={method} serves the DFlash2 selector, which vLLM's CPU build does not "
+                        "run (its DFlash2 proposer is in the GPU runner): eval.served.engine=llamacpp")
+    if method != "chain" and e.temperature > 0:
+        raise EvalError(f"eval.served.method={method} is gated at eval.temperature=0; at temperature the served gate "
+                        "compares the chain method (eval.served.method=chain)")
+    if llamacpp and e.temperature > 0 and str(e.served.draft_sample_method) != "greedy":
         raise EvalError("llama.cpp drafts the drafter's argmax at any temperature and keeps drafts while the target's "
                         "sample matches them (the own loop's greedy_draft rule): set "
                         "eval.served.draft_sample_method=greedy, or serve in vLLM (eval.served.engine=vllm)")
+
+
+def check_llamacpp(cfg: DictConfig, drafter) -> None:
+    """What eval.served.engine=llamacpp needs of the drafter and this machine, refused in one line before any
+    decoding: a drafter over the target's whole vocabulary (llama.cpp's converter maps no draft vocabulary for DFlash)
+    and llama.cpp's build."""
+    from dflash_pipeline.models.llamacpp_engine import draft_vocabulary_refused, paths
+
     ids = drafter.draft_to_target
     if ids is not None and len(ids) != drafter.config.vocab_size:
         raise EvalError(draft_vocabulary_refused("the drafter", len(ids)))
+    paths(cfg.cache_dir)
 
 
 def offline(s: Setup, items: list[dict], label: str, subset: int | None = None, note: str | None = None) -> dict:

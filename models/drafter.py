@@ -87,7 +87,8 @@ class DFlashDrafterConfig:
             raise ValueError(f"target_layer_ids {bad} outside the target's {self.num_target_layers} layers")
 
     def to_dict(self) -> dict:
-        """The config.json that serving engines load (models/export.py config_json, docs/export.md)."""
+        """The config.json keys serving engines load that the config holds (models/export.py config_json,
+        docs/export.md); save_pretrained adds those of the model (the trained embedding scale, a draft vocabulary)."""
         return export.config_json(self)
 
     @classmethod

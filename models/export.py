@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from dataclasses import fields
 
 import torch
@@ -19,6 +20,9 @@ from dflash_pipeline.data.files import save_safetensors, write_text
 from dflash_pipeline.models.selector import PASS_THROUGH, SELECTOR_PREFIX, pass_through_tensors
 
 log = logging.getLogger(__name__)
+# <export>/gguf/: files derived from an export (models/llamacpp_engine.py write_gguf), cleared whenever the export is
+# written again, so that no GGUF of an earlier training outlives it
+GGUF_FOLDER = "gguf"
 
 
 def config_json(config) -> dict:
@@ -125,6 +129,7 @@ def save_export(model: nn.Module, path: str, extra_config: dict | None = None):
     """Write a DFlashDrafter's config.json and model.safetensors in the engine format of `export_tensors`, each
     atomically."""
     os.makedirs(path, exist_ok=True)
+    shutil.rmtree(os.path.join(path, GGUF_FOLDER), ignore_errors=True)
     tensors, top_level = export_tensors(model)
     config = config_json(model.config)
     config["dflash_config"].update(trained_scales(model))

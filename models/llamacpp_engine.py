@@ -23,6 +23,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dflash_pipeline.data.files import atomic_path, write_json
+from dflash_pipeline.models.export import GGUF_FOLDER
+
 SETUP = "bash scripts/setup_llamacpp.sh"
 BUILD = os.environ.get("LLAMACPP_VERSION", "11434")
 
@@ -72,7 +75,7 @@ def to_gguf(cache_dir: str | Path, folder: str | Path, out_dir: str | Path, outt
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # this process's own: jobs sharing the cache convert alike
     cmd = [sys.executable, p["converter"], str(folder), "--outtype", outtype, "--outfile", str(tmp)]
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
@@ -85,23 +88,22 @@ def to_gguf(cache_dir: str | Path, folder: str | Path, out_dir: str | Path, outt
         tmp.unlink(missing_ok=True)
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise LlamaCppError(f"llama.cpp's converter failed on {folder}: {last}")
-    tmp.rename(out)
+    os.replace(tmp, out)
     return out
 
 
 def _place(src: Path, dst: Path) -> None:
-    """`src` at `dst`: a hard link (the cache's file, no second copy) or a copy across file systems, under a
-    temporary name renamed when complete; kept when it already is that file."""
-    if dst.is_file() and dst.stat().st_size == src.stat().st_size and (
-            dst.samefile(src) or dst.stat().st_mtime_ns >= src.stat().st_mtime_ns):
-        return
-    tmp = dst.with_name(dst.name + ".partial")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    tmp.replace(dst)
+    """`src` at `dst`: a hard link (the cache's file, no second copy), or across file systems a copy with its
+    modification time, under a temporary name renamed when complete; kept when it is that file or such a copy."""
+    if dst.is_file():
+        a, b = src.stat(), dst.stat()
+        if dst.samefile(src) or (a.st_size, a.st_mtime_ns) == (b.st_size, b.st_mtime_ns):
+            return
+    with atomic_path(dst) as tmp:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copy2(src, tmp)
 
 
 def write_gguf(cache_dir: str | Path, export_dir: str | Path, target_dir: str | Path, outtypes: list[str],
@@ -110,8 +112,10 @@ def write_gguf(cache_dir: str | Path, export_dir: str | Path, target_dir: str | 
     drafter-<type>.gguf and target-<type>.gguf (llama.cpp's converter, cached: to_gguf), `target_gguf` (a target
     that is a GGUF already, in the user's quantization) linked under its own name, and serve.json naming the files
     and the llama-server command that serves them. Returns the folder."""
-    export_dir, out = Path(export_dir), Path(export_dir) / "gguf"
+    export_dir, out = Path(export_dir), Path(export_dir) / GGUF_FOLDER
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.gguf"):  # types no longer asked for, or a target no longer served
+        old.unlink()
     config = json.loads((export_dir / "config.json").read_text())
     cache, log_file = Path(cache_dir) / "llamacpp" / "gguf", out / "convert.log"
     files = {"drafter": {}, "target": {}}
@@ -131,9 +135,7 @@ def write_gguf(cache_dir: str | Path, export_dir: str | Path, target_dir: str | 
                         "--spec-draft-n-min 0 --spec-draft-p-min 0",
              "note": "run in this folder; the exact gate serves target-f32 with drafter-f32 "
                      "(eval.served.engine=llamacpp)"}
-    tmp = out / "serve.json.partial"
-    tmp.write_text(json.dumps(serve, indent=2))
-    tmp.replace(out / "serve.json")
+    write_json(out / "serve.json", serve, indent=2)
     return out
 
 

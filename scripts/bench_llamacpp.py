@@ -10,7 +10,7 @@ its float32 folder converted by llama.cpp's converter; --shaped a larger SmolLM2
 cost of a round at that size, with an untrained drafter: acceptance is meaningless there). The drafters are the
 run's export, or the --exports given (drafters of the same target: a DFlash export, a DFlash2 selector's checkpoint),
 each converted with the target's folder (models/llamacpp_engine.py). --omp-wait sets both servers'
-OMP_WAIT_POLICY, each in turn (default: OpenMP's own). Prompts: the first MT-Bench turns in the target's chat
+OMP_WAIT_POLICY, each in turn (`default`: OpenMP's own). Prompts: the first MT-Bench turns in the target's chat
 template. Per thread count, a plain and a speculative llama-server (one slot, one request at a time) run the prompts
 in the order plain, spec, spec, plain x --repeats after a warm-up; tokens/s is the median over requests of reply
 tokens / wall time, the ratio spec / plain of those medians, tau and a_k from llama.cpp's own counters, and the
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -41,7 +42,7 @@ def main() -> None:
                     help="drafter exports to serve, side by side (default: the run's train/export); a DFlash2 "
                          "selector's checkpoint is train/selector/export")
     ap.add_argument("--omp-wait", nargs="+", default=["passive"], choices=["passive", "active", "default"],
-                    help="OMP_WAIT_POLICY of both servers, each measured in turn (default: OpenMP's own)")
+                    help="OMP_WAIT_POLICY of both servers, each measured in turn (`default`: leave it to OpenMP)")
     ap.add_argument("--untrained", action="store_true",
                     help="serve a randomly initialised full-vocabulary DFlash drafter of the run's shape instead: what "
                          "a round costs on the target whatever the acceptance (a target no drafter was trained for)")
@@ -81,12 +82,13 @@ def main() -> None:
     else:
         target_gguf = L.to_gguf(cfg.cache_dir, folder, out_dir, "f32")
 
-    def label(export: Path) -> str:  # <run>/train/export -> run, <run>/train/selector/export -> run/selector
-        parts = export.resolve().parts
-        return parts[-3] if parts[-2] == "train" else f"{parts[-4]}/{parts[-2]}"
+    def label(i: int, export: Path) -> str:  # <run>/train/export -> run, <run>/train/selector/export -> run/selector
+        parts = [p for p in export.resolve().parts[-4:] if p not in ("train", "export")]
+        return f"{i + 1}:{'/'.join(parts[-2:])}"
 
-    drafters = {f"{label(e)} {t}" if len(exports) > 1 else t: L.to_gguf(cfg.cache_dir, e, out_dir, t, target_dir=folder)
-                for e in exports for t in a.drafter_type}
+    drafters = {f"{label(i, e)} {t}" if len(exports) > 1 else t:
+                L.to_gguf(cfg.cache_dir, e, out_dir, t, target_dir=folder)
+                for i, e in enumerate(exports) for t in a.drafter_type}
     cfg.eval.num_prompts = a.prompts
     if target.tokenizer.chat_template:
         prompts = [p["prompt_ids"] for p in load_prompts("mtbench", "mtbench", cfg,
@@ -156,18 +158,19 @@ def shaped_target(name: str, tokenizer_dir: Path, cache: Path) -> Path:
     out = cache / "targets" / f"shaped-{name}"
     if (out / "config.json").is_file():
         return out
+    from dflash_pipeline.data.files import publish_folder
+
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(**SHAPED[name], vocab_size=len(tok), tie_word_embeddings=True, rope_theta=130000.0,
                          max_position_embeddings=8192, rms_norm_eps=1e-5, initializer_range=0.02,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="bfloat16")
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    tmp = out.with_name(out.name + ".partial")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return publish_folder(tmp, out)
 
 
 def untrained(cfg, target, out_dir: Path) -> Path:

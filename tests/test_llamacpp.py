@@ -36,15 +36,25 @@ def test_a_draft_vocabulary_drafter_is_refused_in_one_line_naming_the_way_out(tm
     with pytest.raises(llamacpp_engine.LlamaCppError, match=r"64-token vocabulary.*trainer.draft_vocab_size=null"):
         llamacpp_engine.to_gguf(tmp_path, folder, tmp_path / "gguf", target_dir=tmp_path)
     drafter = SimpleNamespace(draft_to_target=torch.arange(64), config=SimpleNamespace(vocab_size=512))
-    cfg = make_config("eval.served.engine=llamacpp")
-    if llamacpp_missing() is None:
-        with pytest.raises(EvalError, match=r"64-token vocabulary.*trainer.draft_vocab_size=null"):
-            check_llamacpp(cfg, drafter)
-    full = SimpleNamespace(draft_to_target=None, config=SimpleNamespace(vocab_size=512))
-    with pytest.raises((EvalError, llamacpp_engine.LlamaCppError),
-                       match="draft_sample_method=greedy|setup_llamacpp.sh"):
-        check_llamacpp(make_config("eval.served.engine=llamacpp", "eval.temperature=0.5",
-                                   "eval.served.draft_sample_method=probabilistic"), full)
+    with pytest.raises(EvalError, match=r"64-token vocabulary.*trainer.draft_vocab_size=null"):
+        check_llamacpp(make_config("eval.served.engine=llamacpp"), drafter)
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    (["eval.temperature=0.5", "eval.served.draft_sample_method=probabilistic"], "draft_sample_method=greedy"),
+    (["eval.served.method=selector_greedy", "eval.methods=[chain]"], "add selector_greedy to eval.methods"),
+    (["eval.served.method=selector_greedy", "eval.served.engine=vllm"], "eval.served.engine=llamacpp"),
+    (["eval.served.method=selector_greedy", "eval.temperature=0.5"], "eval.served.method=chain"),
+])
+def test_served_settings_that_do_not_fit_are_refused_before_any_stage(tmp_path, overrides, refusal):
+    """From the config alone, before the teacher runs: the one draft sampling llama.cpp runs at temperature, the
+    method whose runs the gate reads, and where the DFlash2 selector is served."""
+    from dflash_pipeline.cli.entrypoints import run_stages
+
+    cfg = make_config("eval.served.engine=llamacpp", *overrides)
+    with pytest.raises(EvalError, match=refusal):
+        run_stages(cfg, tmp_path / "run", ["teacher", "components", "eval"])
+    assert not (tmp_path / "run").exists()
 
 
 def test_export_gguf_is_refused_before_training_for_a_draft_vocabulary(tmp_path):
@@ -53,7 +63,7 @@ def test_export_gguf_is_refused_before_training_for_a_draft_vocabulary(tmp_path)
     from dflash_pipeline.cli.entrypoints import run_stages
 
     cfg = make_config("export.gguf=[f32]", "trainer.draft_vocab_size=64")
-    with pytest.raises(llamacpp_engine.LlamaCppError, match="64-token vocabulary.*draft_vocab_size=null|setup_llamacpp"):
+    with pytest.raises(llamacpp_engine.LlamaCppError, match="64-token vocabulary.*draft_vocab_size=null"):
         run_stages(cfg, tmp_path / "run", ["teacher", "components"])
     assert not (tmp_path / "run").exists()
 
@@ -77,7 +87,7 @@ def test_export_writes_gguf_files_llama_server_serves(llamacpp_run):
     for role in ("drafter", "target"):
         assert (out / serve[role]["f32"]).stat().st_size > 0
     served_files = json.loads((llamacpp_run / "eval" / "eval_results.json").read_text())["served"]["gguf"]
-    assert (out / "drafter-f32.gguf").samefile(served_files["drafter"])
+    assert (out / "drafter-f32.gguf").read_bytes() == Path(served_files["drafter"]).read_bytes()
     assert "-md drafter-f32.gguf --spec-type draft-dflash --spec-draft-n-max 3" in serve["command"]
     assert not list(out.glob("*.partial"))
 

@@ -69,6 +69,21 @@ def test_gate_needs_equal_counters_in_float32_and_a_tolerance_in_bf16():
     assert not served.gate(own, dict(own), "float32", 0.02, False, same, same)["pass"]
 
 
+def test_sampled_gate_names_what_moved():
+    """At T > 0: samples off the target's distribution with acceptance within noise name the engine's sampler chain;
+    acceptance that differs from the configured rule and matches the other one names the draft sampling."""
+    def decodes(per_pos, n=40):
+        return [{"drafts": 10, "accepted": sum(per_pos), "accepted_per_pos": list(per_pos)} for _ in range(n)]
+
+    engine = {"version": "x", "checks": {}, "repaired": []}
+    same, other = decodes([6, 3, 1]), decodes([2, 0, 0])
+    biased = served.sampled_gate(same, decodes([6, 3, 1]), 3, 0.01, "greedy_draft", 0.7, {"p": 1e-9}, engine, other)
+    assert not biased["pass"] and "sampler chain" in biased["line"]
+    swapped = served.sampled_gate(same, decodes([2, 0, 0]), 3, 0.01, "greedy_draft", 0.7, {"p": 0.5}, engine, other)
+    assert not swapped["pass"] and "eval.served.draft_sample_method" in swapped["line"]
+    assert served.sampled_gate(same, decodes([6, 3, 1]), 3, 0.01, "greedy_draft", 0.7, {"p": 0.5}, engine)["pass"]
+
+
 def test_reduced_precision_gate_compares_the_prompts_that_took_the_same_tokens():
     """A bf16 decode that parted at a near-tie runs other tokens from there on: the gate compares the prompts whose
     own and served speculative outputs both equal the reference, and reports the whole set beside."""

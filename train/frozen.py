@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.protocol import drafter_blocks
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
-from dflash_pipeline.models.export import identity_convolution
+from dflash_pipeline.models.export import GGUF_FOLDER, identity_convolution
 from dflash_pipeline.models.generation import CapturedFeatures
 from dflash_pipeline.models.selector import SELECTOR_PREFIX
 from dflash_pipeline.train.component import StageInputs, loop_settings
@@ -137,6 +138,7 @@ def export_with_drafter(drafter_dir: Path, folder: Path, tensors: dict[str, torc
     from dflash_pipeline.data.files import save_safetensors, write_text
 
     folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder / GGUF_FOLDER, ignore_errors=True)  # derived from the export this replaces
     config = json.loads((drafter_dir / "config.json").read_text())
     config["dflash_config"].update(dflash_config)
     config.setdefault("dflash_pipeline", {})[section] = provenance
