@@ -155,7 +155,7 @@ class LlamaServer:
 
     def __init__(self, cache_dir: str | Path, target: Path, drafter: Path | None = None, block_size: int = 16,
                  threads: int = 1, ctx: int = 4096, log_file: Path | None = None, wait: bool = True,
-                 omp_wait: str | None = "passive"):
+                 omp_wait: str | None = None):
         p = paths(cache_dir)
         self.port, self.drafts_per_round, self.log_file = _free_port(), block_size - 1, log_file
         # what the served eval records of an engine (models/vllm_engine.py has the same): no self-checks here
@@ -167,7 +167,7 @@ class LlamaServer:
             cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
                     "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--spec-draft-threads", str(threads)]
         # OMP_WAIT_POLICY of the server's OpenMP threads (passive | active; None: the runtime's default, a short
-        # spin): docs/results/llamacpp.md measures them
+        # spin, then sleep): on 2 cores the default decodes fastest, plain and speculative (docs/results/llamacpp.md)
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         if omp_wait:
             env["OMP_WAIT_POLICY"] = omp_wait

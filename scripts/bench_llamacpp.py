@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--exports", type=Path, nargs="+",
                     help="drafter exports to serve, side by side (default: the run's train/export); a DFlash2 "
                          "selector's checkpoint is train/selector/export")
-    ap.add_argument("--omp-wait", nargs="+", default=["passive"], choices=["passive", "active", "default"],
+    ap.add_argument("--omp-wait", nargs="+", default=["default"], choices=["passive", "active", "default"],
                     help="OMP_WAIT_POLICY of both servers, each measured in turn (`default`: leave it to OpenMP)")
     ap.add_argument("--untrained", action="store_true",
                     help="serve a randomly initialised full-vocabulary DFlash drafter of the run's shape instead: what "
