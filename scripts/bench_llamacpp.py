@@ -59,7 +59,7 @@ def main() -> None:
 
     from dflash_pipeline.eval.inputs import load_prompts
     from dflash_pipeline.eval.references import ReferenceCache
-    from dflash_pipeline.eval.served import rates, summed
+    from dflash_pipeline.eval.gates import rates, summed
     from dflash_pipeline.models import llamacpp_engine as L
     from dflash_pipeline.models.target import _gguf_source, load_target, target_folder
 

@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dflash_pipeline.eval import served as served_eval
+from dflash_pipeline.eval.engines import VLLMPair
 from dflash_pipeline.eval.decode import ACCEPTANCE_RULES
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.eval.inputs import load_drafter, load_prompts
@@ -72,9 +73,9 @@ def main() -> None:
         if T in args.probabilistic_at:
             engines.append(("probabilistic_repaired", "probabilistic", True))
         for name, method, repair in engines:
-            engine = served_eval.ServedEval(cfg.cache_dir, folder, drafter_dir, target.dtype, B,
-                                            target.config.max_position_embeddings, args.threads, log_file,
-                                            plain=False, draft_sample_method=method, repair=repair)
+            engine = VLLMPair(cfg.cache_dir, folder, drafter_dir, target.dtype, B,
+                              target.config.max_position_embeddings, args.threads, log_file,
+                              plain=False, draft_sample_method=method, repair=repair)
             try:
                 res = served_eval.sampled_set(engine, target, drafter, prompts, B, args.max_new_tokens, T, seeds,
                                               len(prompts), args.alpha, method, name, own)

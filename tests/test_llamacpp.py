@@ -1,5 +1,5 @@
 """llama.cpp at the serving end: the exported drafter and the target converted to GGUF by llama.cpp's own converter,
-served by llama-server beside the own loop, and the parity gate (eval/served.py, models/llamacpp_engine.py)."""
+served by llama-server beside the own loop, and the parity gate (eval/served.py, eval/gates.py, models/llamacpp_engine.py)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import make_config, run_command
-from dflash_pipeline.eval import served
+from dflash_pipeline.eval import engine_contract as contract
+from dflash_pipeline.eval import gates
 from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.models import llamacpp_engine
 from test_served import plant, served_run
@@ -139,7 +140,7 @@ def test_llamacpp_acceptance_per_position_beside_the_own_loop_passes_the_gate(ll
         assert not s["wrong"], (label, s["wrong"])
         assert len(s["a_k_served"]) == len(s["a_k_own"]) == 3
         assert s["counters_served"]["accepted"] > 0 and s["gate"]["prompts_compared"] >= s["prompts"] // 2
-        gated_rates = served.rates(s["counters_own"])
+        gated_rates = gates.rates(s["counters_own"])
         assert gated_rates["tau"] > 1.2, label  # a drafter that is accepted: the gate can tell
 
 
@@ -154,9 +155,9 @@ def test_gate_catches_each_planted_mismatch_in_llamacpp(llamacpp_run, tmp_path):
 
     cfg, target, export, drafter, prompts = served_run(llamacpp_run)
     B, new = drafter.config.block_size, 32
-    own = served.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1, budget=new)
+    own = gates.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1, budget=new)
     assert own["accepted"] > 0
-    own_contract = served.drafter_contract(drafter)
+    own_contract = contract.drafter_contract(drafter)
     folder = target_folder(cfg.target, cfg.cache_dir)
     gguf = tmp_path / "gguf"
     target_gguf = llamacpp_engine.to_gguf(cfg.cache_dir, folder, gguf)
@@ -168,8 +169,8 @@ def test_gate_catches_each_planted_mismatch_in_llamacpp(llamacpp_run, tmp_path):
         drafter_gguf = llamacpp_engine.to_gguf(cfg.cache_dir, out, gguf, target_dir=folder)
         with llamacpp_engine.LlamaServer(cfg.cache_dir, target_gguf, drafter_gguf, block_size=B, ctx=512,
                                          log_file=tmp_path / f"llamacpp-{mismatch}.log") as server:
-            counts = served.summed(server.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
-        verdict = served.gate(own, counts, "float32 in llama.cpp", 0.02, True, served.export_contract(out, "llamacpp"),
+            counts = gates.summed(server.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
+        verdict = gates.gate(own, counts, "float32 in llama.cpp", 0.02, True, contract.export_contract(out, "llamacpp"),
                               own_contract)
         caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
     assert caught.pop("none")[0], "the export as trained must serve at parity"

@@ -1,4 +1,5 @@
-"""Served acceptance and the parity gate (eval/served.py), and the vLLM teacher (teacher.engine=vllm).
+"""Served acceptance and the parity gates (eval/served.py, eval/gates.py, eval/engine_contract.py), and the vLLM
+teacher (teacher.engine=vllm).
 
 The gate's arithmetic and its diagnosis run everywhere; the tests that serve through vLLM need its venv
 (`bash scripts/setup_vllm.sh`, which .ci/run runs) and are skipped, with that reason, where it is absent.
@@ -16,6 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.eval import served
+from dflash_pipeline.eval import engine_contract as contract
+from dflash_pipeline.eval import engines
+from dflash_pipeline.eval import gates
 from dflash_pipeline.eval.metrics import accepted_length_stats
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.vllm_engine import VLLMError, venv_dir, vllm_python
@@ -42,12 +46,12 @@ def test_counters_from_own_rounds_mean_what_vllm_counts():
     """vLLM counts, per draft position k, the drafts that accepted at least k tokens: from the own loop's rounds
     that gives the same a_k and tau as the own eval's accepted_length_stats."""
     rounds = [[0, 2, 1], [3, 0], []]
-    counts = served.own_counts(rounds, 3)
+    counts = gates.own_counts(rounds, 3)
     assert counts == {"drafts": 5, "accepted": 6, "accepted_per_pos": [3, 2, 1]}
     stats = accepted_length_stats([n for r in rounds for n in r], 4)
-    r = served.rates(counts)
+    r = gates.rates(counts)
     assert r["a_k"] == pytest.approx(stats["a_k"]) and r["tau"] == pytest.approx(stats["tau"])
-    assert served.summed([{"drafts": 2, "accepted": 1, "accepted_per_pos": [1]},
+    assert gates.summed([{"drafts": 2, "accepted": 1, "accepted_per_pos": [1]},
                           {"drafts": 3, "accepted": 5, "accepted_per_pos": [3, 2]}], 3) == \
         {"drafts": 5, "accepted": 6, "accepted_per_pos": [4, 2, 0]}
 
@@ -56,17 +60,17 @@ def test_gate_needs_equal_counters_in_float32_and_a_tolerance_in_bf16():
     own = {"drafts": 100, "accepted": 40, "accepted_per_pos": [30, 8, 2]}
     near = {"drafts": 101, "accepted": 41, "accepted_per_pos": [31, 8, 2]}
     same = {}
-    assert served.gate(own, dict(own), "float32", 0.02, True, same, same)["pass"]
-    assert not served.gate(own, near, "float32", 0.02, True, same, same)["pass"]  # one round off: fails
-    assert served.gate(own, near, "bfloat16", 0.02, True, same, same)["pass"]  # within 2% per position
+    assert gates.gate(own, dict(own), "float32", 0.02, True, same, same)["pass"]
+    assert not gates.gate(own, near, "float32", 0.02, True, same, same)["pass"]  # one round off: fails
+    assert gates.gate(own, near, "bfloat16", 0.02, True, same, same)["pass"]  # within 2% per position
     far = {"drafts": 100, "accepted": 30, "accepted_per_pos": [22, 6, 2]}
-    verdict = served.gate(own, far, "bfloat16", 0.02, True, same, same)
+    verdict = gates.gate(own, far, "bfloat16", 0.02, True, same, same)
     assert not verdict["pass"] and verdict["line"].startswith("PARITY FAILED")
     assert "first apart at draft position 1: served rate 0.220 vs own 0.300 (the engine accepts less)" in verdict["line"]
     later = {"drafts": 100, "accepted": 45, "accepted_per_pos": [30, 13, 2]}
-    assert "first apart at draft position 2" in served.gate(own, later, "float32", 0.02, True, same, same)["line"]
+    assert "first apart at draft position 2" in gates.gate(own, later, "float32", 0.02, True, same, same)["line"]
     # equal counters but a served output that is not exact: fails too
-    assert not served.gate(own, dict(own), "float32", 0.02, False, same, same)["pass"]
+    assert not gates.gate(own, dict(own), "float32", 0.02, False, same, same)["pass"]
 
 
 def test_sampled_gate_names_what_moved():
@@ -77,11 +81,11 @@ def test_sampled_gate_names_what_moved():
 
     engine = {"version": "x", "checks": {}, "repaired": []}
     same, other = decodes([6, 3, 1]), decodes([2, 0, 0])
-    biased = served.sampled_gate(same, decodes([6, 3, 1]), 3, 0.01, "greedy_draft", 0.7, {"p": 1e-9}, engine, other)
+    biased = gates.sampled_gate(same, decodes([6, 3, 1]), 3, 0.01, "greedy_draft", 0.7, {"p": 1e-9}, engine, other)
     assert not biased["pass"] and "sampler chain" in biased["line"]
-    swapped = served.sampled_gate(same, decodes([2, 0, 0]), 3, 0.01, "greedy_draft", 0.7, {"p": 0.5}, engine, other)
+    swapped = gates.sampled_gate(same, decodes([2, 0, 0]), 3, 0.01, "greedy_draft", 0.7, {"p": 0.5}, engine, other)
     assert not swapped["pass"] and "eval.served.draft_sample_method" in swapped["line"]
-    assert served.sampled_gate(same, decodes([6, 3, 1]), 3, 0.01, "greedy_draft", 0.7, {"p": 0.5}, engine)["pass"]
+    assert gates.sampled_gate(same, decodes([6, 3, 1]), 3, 0.01, "greedy_draft", 0.7, {"p": 0.5}, engine)["pass"]
 
 
 def test_reduced_precision_gate_compares_the_prompts_that_took_the_same_tokens():
@@ -101,12 +105,12 @@ def test_reduced_precision_gate_compares_the_prompts_that_took_the_same_tokens()
             "counters": [{"drafts": 2, "accepted": 2, "accepted_per_pos": [1, 1, 0]},
                          {"drafts": 4, "accepted": 0, "accepted_per_pos": [0, 0, 0]}]}
     rounds = [[2, 0], [1, 1]]
-    own = served.OwnSet(prompts, ar, rounds, own_spec, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
-    bf16 = served.compare(vllm, own, served.Gate(3, "bfloat16", 0.02, Judge(), {}, {}))
+    own = gates.OwnSet(prompts, ar, rounds, own_spec, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+    bf16 = gates.compare(vllm, own, gates.Gate(3, "bfloat16", 0.02, Judge(), {}, {}))
     assert bf16["gate"]["pass"] and bf16["gate"]["prompts_compared"] == 1 and bf16["same_path_prompts"] == [0]
     assert "1 of 2 prompts" in bf16["gate"]["line"] and len(bf16["near_ties"]) == 1
     assert bf16["counters_served"]["drafts"] == 6 and bf16["counters_own"]["drafts"] == 4  # the whole set, reported
-    float32 = served.compare(vllm, own, served.Gate(3, "float32", 0.02, Judge(), {}, {}))
+    float32 = gates.compare(vllm, own, gates.Gate(3, "float32", 0.02, Judge(), {}, {}))
     assert not float32["gate"]["pass"]  # float32: every prompt, and no near-ties
 
 
@@ -125,8 +129,8 @@ def test_a_target_the_engine_decodes_differently_is_named_as_the_cause():
     ar = [[5, 6, 7, 8]]
     vllm = {"outputs_plain": [[9, 6, 7, 8]], "outputs_spec": [[9, 6, 7, 8]],
             "counters": [{"drafts": 3, "accepted": 1, "accepted_per_pos": [1, 0, 0]}]}
-    out = served.compare(vllm, served.OwnSet(prompts, ar, [[0, 0, 0, 0]], ar, [0.0] * 3, [0.0] * 3),
-                         served.Gate(3, "float32", 0.02, Judge(), {}, {}))
+    out = gates.compare(vllm, gates.OwnSet(prompts, ar, [[0, 0, 0, 0]], ar, [0.0] * 3, [0.0] * 3),
+                         gates.Gate(3, "float32", 0.02, Judge(), {}, {}))
     line = out["gate"]["line"]
     assert line.startswith("PARITY FAILED") and "engine's plain decoding" in line and "from output position 0" in line
     assert "likely contract key" not in line and out["gate"]["likely_keys"] == []
@@ -191,10 +195,10 @@ def test_a_scaled_embedding_is_exported_and_read_as_each_engine_reads_it(tmp_pat
         nested = json.loads((folder / "config.json").read_text())["dflash_config"]
         assert nested["input_embedding_scale"] == 8.0 and nested["output_multiplier"] == 1.0
         assert "final_logit_softcapping" not in nested
-        own = served.drafter_contract(drafter)
-        assert served.likely_keys(served.export_contract(folder, "llamacpp"), own) == []
-        in_vllm = served.likely_keys(served.export_contract(folder, "vllm"), own)
-        assert in_vllm == ([] if conv else [served.SCALE])
+        own = contract.drafter_contract(drafter)
+        assert contract.likely_keys(contract.export_contract(folder, "llamacpp"), own) == []
+        in_vllm = contract.likely_keys(contract.export_contract(folder, "vllm"), own)
+        assert in_vllm == ([] if conv else [contract.SCALE])
 
 
 PLANTED = {"taps": "dflash_config.target_layer_ids", "mask": "dflash_config.mask_token_id",
@@ -204,13 +208,13 @@ PLANTED = {"taps": "dflash_config.target_layer_ids", "mask": "dflash_config.mask
 @pytest.mark.parametrize("mismatch", list(PLANTED))
 def test_gate_names_the_planted_contract_key(tmp_path, export, mismatch):
     folder, drafter = export
-    own = served.drafter_contract(drafter)
-    assert served.likely_keys(served.export_contract(folder), own) == []  # the export as written: nothing to name
-    planted = served.export_contract(plant(folder, tmp_path / mismatch, mismatch))
-    assert served.likely_keys(planted, own) == [PLANTED[mismatch]]
+    own = contract.drafter_contract(drafter)
+    assert contract.likely_keys(contract.export_contract(folder), own) == []  # the export as written: nothing to name
+    planted = contract.export_contract(plant(folder, tmp_path / mismatch, mismatch))
+    assert contract.likely_keys(planted, own) == [PLANTED[mismatch]]
     counts = {"drafts": 10, "accepted": 4, "accepted_per_pos": [3, 1, 0]}
     worse = {"drafts": 12, "accepted": 1, "accepted_per_pos": [1, 0, 0]}
-    line = served.gate(counts, worse, "float32", 0.02, True, planted, own)["line"]
+    line = gates.gate(counts, worse, "float32", 0.02, True, planted, own)["line"]
     assert line.startswith("PARITY FAILED") and PLANTED[mismatch] in line and "\n" not in line
 
 
@@ -347,24 +351,24 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
 
     cfg, target, export, drafter, prompts = served_run(vllm_run)
     B, new = drafter.config.block_size, 32
-    own = served.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1)
+    own = gates.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1)
     assert own["accepted"] > 0
-    own_contract = served.drafter_contract(drafter)
+    own_contract = contract.drafter_contract(drafter)
     folder = target_folder(cfg.target, cfg.cache_dir)
     exports = {m: export if key is None else plant(export, tmp_path / m, m)
                for m, key in {"none": None, **PLANTED}.items()}
     caught, names = {}, list(exports)
-    for pair in (names[i: i + 2] for i in range(0, len(names), 2)):  # two engines build side by side
-        engines = {m: VLLMEngine(cfg.cache_dir, folder, "float32", 512, speculative_config(exports[m], B),
+    for pair in (names[i: i + 2] for i in range(0, len(names), 2)):  # two servers build side by side
+        servers = {m: VLLMEngine(cfg.cache_dir, folder, "float32", 512, speculative_config(exports[m], B),
                                  log_file=tmp_path / f"vllm-{m}.log", wait=False) for m in pair}
         try:
-            for mismatch, engine in engines.items():
-                counts = served.summed(engine.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
-                verdict = served.gate(own, counts, "float32", 0.02, True, served.export_contract(exports[mismatch]),
-                                      own_contract)
+            for mismatch, engine in servers.items():
+                counts = gates.summed(engine.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
+                verdict = gates.gate(own, counts, "float32", 0.02, True, contract.export_contract(exports[mismatch]),
+                                     own_contract)
                 caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
         finally:
-            close_engines(*engines.values())
+            close_engines(*servers.values())
     assert caught.pop("none")[0], "the export as trained must serve at parity"
     for mismatch, (passed, keys, per_pos) in caught.items():
         assert not passed and keys == [PLANTED[mismatch]], (mismatch, per_pos, own)
@@ -388,20 +392,20 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     folder = target_folder(cfg.target, cfg.cache_dir)
 
     def start(name, served_dir, repair):  # the three engines build side by side
-        return served.ServedEval(cfg.cache_dir, folder, served_dir, "float32", B, 512, 1,
-                                 tmp_path / f"vllm-{name}.log", plain=False, repair=repair, wait=False)
+        return engines.VLLMPair(cfg.cache_dir, folder, served_dir, "float32", B, 512, 1,
+                                tmp_path / f"vllm-{name}.log", plain=False, repair=repair, wait=False)
 
-    engines = {"mended": start("mended", export, True),
-               "planted": start("planted", plant(export, tmp_path / "d2t", "d2t"), True),
-               "stock": start("stock", export, False)}
+    pairs = {"mended": start("mended", export, True),
+             "planted": start("planted", plant(export, tmp_path / "d2t", "d2t"), True),
+             "stock": start("stock", export, False)}
     try:
-        gates = {name: served.sampled_set(engine, target, drafter, prompts, B, new, T, seeds, 4, alpha, "greedy", "t",
-                                          own) for name, engine in engines.items()}
+        verdicts = {name: served.sampled_set(engine, target, drafter, prompts, B, new, T, seeds, 4, alpha, "greedy",
+                                             "t", own) for name, engine in pairs.items()}
     finally:
-        for engine in engines.values():
+        for engine in pairs.values():
             engine.close()
-    mended, planted, stock = gates["mended"], gates["planted"], gates["stock"]
-    checks = engines["mended"].spec.checks
+    mended, planted, stock = verdicts["mended"], verdicts["planted"], verdicts["stock"]
+    checks = pairs["mended"].spec.checks
     assert mended["gate"]["pass"], mended["gate"]["line"]
     assert mended["rates"]["own_greedy_draft"]["a_k"][0]["accepted"] > 0  # real acceptance compared
     assert mended["distribution"]["served"]["p"] > alpha and mended["distribution"]["own"]["p"] > alpha
