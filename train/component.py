@@ -30,8 +30,10 @@ class TrainingComponent(Protocol):
 
     def step_items(self, step: int, parts: int = 1) -> list:
         """The global batch of `step` (every process computes it; each takes its slice): a function of (seed, step).
-        parts: the micro-batches it is cut into over all processes (each needs an item). A component may also offer
-        `item_sizes(items)`, the cost of each item (tokens), for the loop to cut micro-batches of even cost."""
+        parts: the micro-batches it is cut into over all processes (each needs an item)."""
+
+    def item_sizes(self, items: list) -> list[int]:
+        """The cost of each item (tokens), for the loop to cut micro-batches of even cost (ComponentHooks: 1 each)."""
 
     def batch(self, items: list, step: int, slot0: int) -> Any:
         """One micro-batch of `items`, whose first item is slot `slot0` of the global batch."""
@@ -55,6 +57,27 @@ class TrainingComponent(Protocol):
 
     def export(self, model: torch.nn.Module, folder: Path) -> Path:
         """Write the trained component where engines and the eval stage load it."""
+
+    def checkpointed(self, step: int) -> None:
+        """Called by the main process after each checkpoint of `step` (e.g. a feature producer may drop the steps
+        before it; ComponentHooks: nothing)."""
+
+    def close(self) -> None:
+        """Stop what the component started (a feature producer) when training ends (ComponentHooks: nothing)."""
+
+
+class ComponentHooks:
+    """The defaults of TrainingComponent's optional hooks, for a component to inherit: items of equal cost, nothing
+    to do at a checkpoint or at the end."""
+
+    def item_sizes(self, items: list) -> list[int]:
+        return [1] * len(items)
+
+    def checkpointed(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def loop_settings(cfg: DictConfig, own: DictConfig | None) -> DictConfig:

@@ -23,7 +23,7 @@ from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target, config_value, final_norm, text_config
-from dflash_pipeline.train.component import StageInputs
+from dflash_pipeline.train.component import ComponentHooks, StageInputs
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import (block_loss, decay_weights, default_gamma, dpace_weights, effective_valid,
                                          normaliser, sliced_loss)
@@ -161,7 +161,7 @@ def drafter_of(model) -> DFlashDrafter:
     return model.drafter if isinstance(model, DrafterWithSelector) else model
 
 
-class DrafterComponent:
+class DrafterComponent(ComponentHooks):
     """Model, batches, loss, held-out metrics and export of the DFlash block drafter (with its DFlash2 selector when
     trained jointly)."""
 

@@ -21,14 +21,14 @@ from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.export import GGUF_FOLDER, identity_convolution
 from dflash_pipeline.models.generation import CapturedFeatures
 from dflash_pipeline.models.selector import SELECTOR_PREFIX
-from dflash_pipeline.train.component import StageInputs, loop_settings
+from dflash_pipeline.train.component import ComponentHooks, StageInputs, loop_settings
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import decay_weights, default_gamma, dpace_weights
 
 log = logging.getLogger(__name__)
 
 
-class FrozenDrafterComponent:
+class FrozenDrafterComponent(ComponentHooks):
     """Base of a component trained on a frozen drafter; `section` is its config section (conf/<section>/)."""
 
     section = ""

@@ -205,7 +205,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     try:
         train_steps(accelerator, stage, comp, parallel, logger, start)
     finally:
-        getattr(comp, "close", lambda: None)()  # what the component started (a feature producer) stops with it
+        comp.close()  # what the component started (a feature producer) stops with it
     with parallel.unsharded() as trained:
         if accelerator.is_main_process:
             comp.export(trained, out / "export")
@@ -230,7 +230,7 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
     bar = Progress(stage.label, t.steps, "step", initial=start, enabled=accelerator.is_main_process)
     for step in range(start, t.steps):
         items = comp.step_items(step, parts)
-        sizes = comp.item_sizes(items) if hasattr(comp, "item_sizes") else [1] * len(items)
+        sizes = comp.item_sizes(items)
         runs = split_points(sizes, parts)[rank * t.grad_accum: (rank + 1) * t.grad_accum]
         batches = [comp.batch(items[a:b], step, a) for a, b in runs]
         norm = accelerator.reduce(torch.tensor(sum(comp.normaliser(b) for b in batches),
@@ -273,7 +273,7 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
             save_checkpoint(accelerator, parallel, stage.out / "checkpoints", step + 1, t.keep_checkpoints,
                             stage.digest)
-            if accelerator.is_main_process and hasattr(comp, "checkpointed"):
+            if accelerator.is_main_process:
                 comp.checkpointed(step + 1)  # e.g. a feature producer may drop the steps before it
     bar.close()
 
