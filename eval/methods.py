@@ -32,10 +32,11 @@ log = logging.getLogger(__name__)
 class MethodInputs:
     """What a method is made from."""
 
-    drafter: object  # the frozen DFlashDrafter
+    drafter: DFlashDrafter  # frozen
     exports: dict[str, Path]  # the trained export folder of each component the method uses besides the drafter
-    policy: object  # the eval.policy settings (conf/schema.py PolicyConfig)
-    config: object = None  # the config section of the component that brings the method (its defaults if not given)
+    policy: PolicyConfig | DictConfig  # the eval.policy settings (conf/schema.py PolicyConfig)
+    # the config section of the component that brings the method (its defaults if not given)
+    config: DictConfig | None = None
     budget: int | None = None  # a tree method's node budget
 
 
@@ -180,20 +181,20 @@ def drafter_difference(export: Path, drafter_dir: Path) -> str | None:
     return None
 
 
-def runnable(methods: dict, block_size: int, temperature: float, model) -> dict[str, str]:
-    """Drop from `methods` those this target family cannot run (trees on a recurrent target), logged and returned as
-    {name: why} to be named in the results; a method that cannot run these settings (block size, temperature) is
-    refused."""
-    not_run = {}
-    for name, m in list(methods.items()):
+def runnable(methods: dict, block_size: int, temperature: float, model) -> tuple[dict, dict[str, str]]:
+    """`methods` split into those this target family runs and those it cannot (trees on a recurrent target), the
+    latter logged as {name: why} to be named in the results; a method that cannot run these settings (block size,
+    temperature) is refused. The argument is left as it is."""
+    run, not_run = {}, {}
+    for name, m in methods.items():
         try:
             m.check(block_size, temperature)
         except ValueError as err:
             raise EvalError(f"eval method {name}: {err}") from err
         try:
             check_target(m, model)
+            run[name] = m
         except ValueError as err:
             log.warning("eval method %s not run: %s", name, err)
             not_run[name] = str(err)
-            del methods[name]
-    return not_run
+    return run, not_run

@@ -162,7 +162,7 @@ def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> 
             check_llamacpp(cfg, drafter)
         else:
             vllm_python(cfg.cache_dir)
-    not_run = runnable(methods, B, e.temperature, target.model)
+    methods, not_run = runnable(methods, B, e.temperature, target.model)
     return Setup(cfg, device, target, drafter, drafter_dir, B, methods, not_run, judge, baselines)
 
 
