@@ -170,8 +170,8 @@ def test_gate_catches_each_planted_mismatch_in_llamacpp(llamacpp_run, tmp_path):
         with llamacpp_engine.LlamaServer(cfg.cache_dir, target_gguf, drafter_gguf, block_size=B, ctx=512,
                                          log_file=tmp_path / f"llamacpp-{mismatch}.log") as server:
             counts = gates.summed(server.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
-        verdict = gates.gate(own, counts, "float32 in llama.cpp", 0.02, True, contract.export_contract(out, "llamacpp"),
-                              own_contract)
+        verdict = gates.gate(own, counts, "float32 in llama.cpp", 0.02, True,
+                             contract.export_contract(out, "llamacpp"), own_contract)
         caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
     assert caught.pop("none")[0], "the export as trained must serve at parity"
     for mismatch, (passed, keys, per_pos) in caught.items():

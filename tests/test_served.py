@@ -52,7 +52,7 @@ def test_counters_from_own_rounds_mean_what_vllm_counts():
     r = gates.rates(counts)
     assert r["a_k"] == pytest.approx(stats["a_k"]) and r["tau"] == pytest.approx(stats["tau"])
     assert gates.summed([{"drafts": 2, "accepted": 1, "accepted_per_pos": [1]},
-                          {"drafts": 3, "accepted": 5, "accepted_per_pos": [3, 2]}], 3) == \
+                         {"drafts": 3, "accepted": 5, "accepted_per_pos": [3, 2]}], 3) == \
         {"drafts": 5, "accepted": 6, "accepted_per_pos": [4, 2, 0]}
 
 
@@ -130,7 +130,7 @@ def test_a_target_the_engine_decodes_differently_is_named_as_the_cause():
     vllm = {"outputs_plain": [[9, 6, 7, 8]], "outputs_spec": [[9, 6, 7, 8]],
             "counters": [{"drafts": 3, "accepted": 1, "accepted_per_pos": [1, 0, 0]}]}
     out = gates.compare(vllm, gates.OwnSet(prompts, ar, [[0, 0, 0, 0]], ar, [0.0] * 3, [0.0] * 3),
-                         gates.Gate(3, "float32", 0.02, Judge(), {}, {}))
+                        gates.Gate(3, "float32", 0.02, Judge(), {}, {}))
     line = out["gate"]["line"]
     assert line.startswith("PARITY FAILED") and "engine's plain decoding" in line and "from output position 0" in line
     assert "likely contract key" not in line and out["gate"]["likely_keys"] == []
@@ -364,8 +364,8 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
         try:
             for mismatch, engine in servers.items():
                 counts = gates.summed(engine.generate(prompts, new, sorted(target.eos_ids))["spec"], B - 1)
-                verdict = gates.gate(own, counts, "float32", 0.02, True, contract.export_contract(exports[mismatch]),
-                                     own_contract)
+                verdict = gates.gate(own, counts, "float32", 0.02, True,
+                                     contract.export_contract(exports[mismatch]), own_contract)
                 caught[mismatch] = (verdict["pass"], verdict["likely_keys"], counts["accepted_per_pos"])
         finally:
             close_engines(*servers.values())
