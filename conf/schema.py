@@ -125,7 +125,7 @@ class ServingEngine(Choice):  # eval.served.engine
     llamacpp = "llamacpp"  # llama-server on GGUF files (models/llamacpp_engine.py; bash scripts/setup_llamacpp.sh)
 
 
-class GGUFType(Choice):  # export.gguf: what llama.cpp's converter writes (quantizations below 8 bits need llama-quantize)
+class GGUFType(Choice):  # export.gguf: what llama.cpp's converter writes (below 8 bits: llama-quantize's)
     f32 = "f32"  # the exact gate's
     f16 = "f16"
     bf16 = "bf16"

@@ -88,7 +88,8 @@ def sampled_set(engine: EnginePair, target, drafter, prompts: list[list[int]], b
     strip = lambda ds: [{k_: v for k_, v in d.items() if k_ != "output"} for d in ds]  # noqa: E731
     pooled, mine = significance.rate_table(both, k), significance.rate_table(own[rule], k)
     return {"temperature": temperature, "a_k_served": [a["rate"] or 0.0 for a in pooled["a_k"]],
-            "a_k_own": [a["rate"] or 0.0 for a in mine["a_k"]], "tau_served": pooled["tau"], "tau_own": mine["tau"], "seeds": seeds, "rule": rule, "draft_sample_method": draft_sample_method,
+            "a_k_own": [a["rate"] or 0.0 for a in mine["a_k"]], "tau_served": pooled["tau"], "tau_own": mine["tau"],
+            "seeds": seeds, "rule": rule, "draft_sample_method": draft_sample_method,
             "engine": info, "prompts": len(prompts),
             "rates": {"own_sampled": significance.rate_table(own["sampled"], k),
                       "own_greedy_draft": significance.rate_table(own["greedy_draft"], k),

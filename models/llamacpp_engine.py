@@ -227,8 +227,8 @@ class LlamaServer:
                  temperature: float = 0.0, seeds: list[int | None] | None = None) -> dict:
         """Replies to `prompts` one request at a time (one slot): greedy, or sampled at `temperature` with a seed
         per prompt (None: a random one). With the drafter, llama.cpp drafts the drafter's argmax at any temperature
-        and keeps drafts while the target's own sample equals them (sample and match). A reply stops at the target's end-of-generation tokens (llama.cpp's own list) and is cut after
-        the first of `stop_token_ids`."""
+        and keeps drafts while the target's own sample equals them (sample and match). A reply stops at the
+        target's end-of-generation tokens (llama.cpp's own list) and is cut after the first of `stop_token_ids`."""
         self.ready()
         if batch:
             raise LlamaCppError("the llama.cpp engine serves one request at a time (eval.served.batch=0)")

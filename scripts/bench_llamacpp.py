@@ -127,9 +127,9 @@ def main() -> None:
                                     counters.append(res["spec"][0])
                 plain_tps, spec_tps = statistics.median(times["plain"]), statistics.median(times["spec"])
                 r = rates(summed(counters, block - 1))
-                row = {"omp_wait": wait, "threads": threads, "drafter": kind, "plain_tok_s": plain_tps, "spec_tok_s": spec_tps,
-                       "ratio": spec_tps / plain_tps, "tau": r["tau"], "break_even_tau": r["tau"] * plain_tps / spec_tps,
-                       "a_k": r["a_k"]}
+                row = {"omp_wait": wait, "threads": threads, "drafter": kind, "plain_tok_s": plain_tps,
+                       "spec_tok_s": spec_tps, "ratio": spec_tps / plain_tps, "tau": r["tau"],
+                       "break_even_tau": r["tau"] * plain_tps / spec_tps, "a_k": r["a_k"]}
                 rows.append(row)
                 print(f"| {wait} | {threads} | {kind} | {plain_tps:.1f} | {spec_tps:.1f} | {row['ratio']:.2f}x | "
                       f"{r['tau']:.3f} | {row['break_even_tau']:.2f} | {' / '.join(f'{x:.2f}' for x in r['a_k'][:3])} |", flush=True)
