@@ -118,7 +118,7 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
 
     shared_dir: the experiment's run directory when this is a job of a sweep (see runtime.stages.stage_dirs).
     """
-    from dflash_pipeline.runtime.stages import stage_dirs, train_stage
+    from dflash_pipeline.runtime.stages import export_dir, given_teacher, stage_dirs, train_stage
     from dflash_pipeline.data.teacher import run_teacher
     from dflash_pipeline.eval.stage import run_eval
     from dflash_pipeline.train.loop import run_train
@@ -148,14 +148,14 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
         stage = train_stage(name)
         with _measured(stage):
             run_train(cfg, dirs[stage], data_dir=dirs["teacher"], component=name,
-                      drafter_dir=None if name == "drafter" else dirs["train"] / "export")
+                      drafter_dir=None if name == "drafter" else export_dir(dirs["train"]))
         if cfg.export.gguf:
             export_gguf(cfg, name, dirs[stage])
         outputs[stage] = dirs[stage]
 
     def run(stage: str) -> None:
-        if stage == "teacher" and cfg.trainer.data_dir:
-            log.info("teacher: using the dataset given by trainer.data_dir=%s", cfg.trainer.data_dir)
+        if stage == "teacher" and given_teacher(cfg):
+            log.info("teacher: using the dataset given by trainer.data_dir=%s", given_teacher(cfg))
         elif stage == "teacher" and shared_dir is not None:
             with _sweep_lock(dirs["teacher"]):  # parallel jobs of a sweep: one generates, the others then skip
                 run_teacher(cfg, dirs["teacher"])
@@ -209,10 +209,11 @@ def export_gguf(cfg: DictConfig, component: str, stage_dir: Path) -> None:
 
     from dflash_pipeline.models import llamacpp_engine
     from dflash_pipeline.models.target import _gguf_source, target_folder
+    from dflash_pipeline.runtime.stages import component_export, export_dir
 
     joint = cfg.trainer.selector_loss_weight > 0
-    folders = {"drafter": [stage_dir / "export", *([stage_dir / "selector" / "export"] if joint else [])],
-               "selector": [stage_dir / "export"]}.get(component)
+    folders = {"drafter": [export_dir(stage_dir), *([component_export("selector", stage_dir)] if joint else [])],
+               "selector": [export_dir(stage_dir)]}.get(component)
     if folders is None:
         log.info("export.gguf: llama.cpp serves DFlash and DFlash2 drafters, not a %s: no GGUF for it", component)
         return

@@ -30,8 +30,8 @@ from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.data.shards import FEATURE_DTYPES, DatasetError, TeacherDataset
 from dflash_pipeline.data.splits import split_heldout, step_batch
 from dflash_pipeline.data.spool import Spool, SpoolError
-from dflash_pipeline.models.vllm_engine import VLLMError
 from dflash_pipeline.runtime.progress import Progress
+from dflash_pipeline.runtime.stages import spool_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ def spool_of(cfg: DictConfig, run_dir: str | Path, data: TeacherDataset) -> Spoo
     key = {"seed": cfg.seed, "batch_sequences": t.batch_sequences, "steps": t.steps,
            "heldout_samples": t.heldout_samples, "train_samples": t.train_samples,
            "dataset": data.manifest["config_hash"], "layer_ids": list(data.layer_ids), "dtype": str(p.dtype)}
-    folder = Path(p.spool)
-    return Spool(folder if folder.is_absolute() else Path(run_dir) / folder, key, p.wait_s)
+    return Spool(spool_dir(cfg, run_dir), key, p.wait_s)
 
 
 @contextlib.contextmanager
@@ -121,7 +120,7 @@ def launch(cfg: DictConfig, run_dir: str | Path, folder: Path, data_dir: Path) -
     config = folder / "producer-config.yaml"
     OmegaConf.save(cfg, config, resolve=True)
     with open(folder / "producer.log", "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "dflash_pipeline.data.producer", str(config), str(run_dir),
+        return subprocess.Popen([sys.executable, "-m", "dflash_pipeline.cli.producer", str(config), str(run_dir),
                                  str(data_dir)],
                                 stdout=out, stderr=subprocess.STDOUT)
 
@@ -173,18 +172,3 @@ class ProducerFeed:
         if self.rank == 0:
             self.spool.drop_before(self.spool.committed())
 
-
-def main() -> None:
-    """python -m dflash_pipeline.data.producer <resolved config.yaml> <run dir> <teacher dataset> (what `launch`
-    starts)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = OmegaConf.load(sys.argv[1])
-    try:
-        run_producer(cfg, sys.argv[2], sys.argv[3])
-    except (DatasetError, VLLMError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

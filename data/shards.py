@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dflash_pipeline.data.files import atomic_path, write_json
+from dflash_pipeline.runtime.files import atomic_path, write_json
 
 FORMAT_VERSION = 1
 # teacher.feature_dtype -> the dtype the features are stored in (float8: with per-token, per-tap scales; None: not

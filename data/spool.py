@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dflash_pipeline.data.files import save_safetensors, write_json
+from dflash_pipeline.runtime.files import save_safetensors, write_json
 from dflash_pipeline.data.shards import DatasetError
 
 POLL_S = 0.05  # how often a waiting side looks again

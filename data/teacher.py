@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.runtime.stages import config_hash, stage_config
-from dflash_pipeline.data.files import write_json
+from dflash_pipeline.runtime.files import write_json
 from dflash_pipeline.data.shards import (FEATURE_DTYPES, FORMAT_VERSION, DatasetError, TeacherDataset,
                                          read_shard_record, write_shard)
 from dflash_pipeline.data.sources import load_conversations

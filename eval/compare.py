@@ -17,7 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_pipeline.data.files import atomic_path
+from dflash_pipeline.runtime.files import atomic_path
+from dflash_pipeline.runtime.stages import recorded_stage_dir
 
 # Config keys that never explain a difference in results (where outputs go, how often to log, ...).
 NOISE = {"name", "cache_dir", "trainer.out_dir", "teacher.out_dir", "eval.out_dir", "trainer.data_dir",
@@ -54,7 +55,8 @@ def flatten(node, prefix: str = "") -> dict:
 
 
 def has_results(folder: Path) -> bool:
-    return (folder / "eval" / "eval_results.json").is_file() or (folder / "train" / "metrics.jsonl").is_file()
+    return (recorded_stage_dir(folder, "eval") / "eval_results.json").is_file() or \
+        (recorded_stage_dir(folder, "train") / "metrics.jsonl").is_file()
 
 
 def discover(paths: list[str]) -> list[Path]:
@@ -77,7 +79,7 @@ def read_run(folder: Path) -> Run:
     as its wandb runs are; another run by its folder."""
     from omegaconf import OmegaConf
 
-    run = read_stages(folder / "eval", folder / "train", label=folder.name)
+    run = read_stages(recorded_stage_dir(folder, "eval"), recorded_stage_dir(folder, "train"), label=folder.name)
     cfg_file = folder / ".hydra" / "config.yaml"
     if cfg_file.is_file():
         run.config = flatten(OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False))

@@ -112,7 +112,7 @@ def gate(own: dict, served: dict, dtype: str, tolerance: float, outputs_ok: bool
 
 @dataclass
 class OwnSet:
-    """The own loop's chain runs of one eval set, as the served eval compares them."""
+    """One method's first runs on one eval set's online prompts, as the served eval compares them."""
 
     prompts: list[dict]
     ar: list[list[int]]  # the first autoregressive reply per prompt: the exactness reference
@@ -120,6 +120,7 @@ class OwnSet:
     spec: list[list[int]]  # that run's output
     a_k: list[float]  # the own loop's a_k online, as reported
     a_k_teacher_forced: list[float]
+    ms_per_token_fastest_ar: float | None = None  # the own loop's fastest plain decoding, any dtype
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from dflash_pipeline.eval.references import ReferenceCache, turn_prompts
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
 from dflash_pipeline.models.target import Target
+from dflash_pipeline.runtime.stages import evaluated_drafter
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def prompt_sets(cfg: DictConfig, labels: list[str], references: ReferenceCache, 
 
 
 def load_drafter(cfg: DictConfig, train_dir: Path, target: Target) -> tuple[DFlashDrafter, Path]:
-    folder = Path(cfg.eval.drafter_dir) if cfg.eval.drafter_dir else train_dir / "export"
+    folder = evaluated_drafter(cfg, train_dir)
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
         raise EvalError(f"no exported drafter at {folder} (config.json + model.safetensors); run dflash-train "
                         "first or set eval.drafter_dir to an exported folder")

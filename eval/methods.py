@@ -24,6 +24,7 @@ from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.tree import DDTreeMethod, check_target
 from dflash_pipeline.models.drafter import DFlashDrafter
+from dflash_pipeline.runtime.stages import component_export
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,9 @@ def make_method(name: str, drafter, exports: dict[str, Path] | None = None, poli
     return entry.make(MethodInputs(drafter, dict(exports or {}), policy, config, budget))
 
 
-def component_export(component: str, train_dir: Path, component_dirs: dict[str, Path]) -> Path:
-    """A component's export folder: its stage's (component_dirs), else <train_dir>/<component>/export."""
-    return Path(component_dirs.get(component, train_dir / component)) / "export"
+def components_used(names) -> list[str]:
+    """The components eval.methods `names` use, the drafter first: what the eval stage's config hash covers."""
+    return list(dict.fromkeys(c for m in names for c in method(m).components()))
 
 
 def load_methods(cfg: DictConfig, drafter: DFlashDrafter, train_dir: Path, component_dirs: dict[str, Path],

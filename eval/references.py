@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 
 from dflash_pipeline.runtime.progress import Progress
-from dflash_pipeline.data.files import write_json
+from dflash_pipeline.runtime.files import write_json
 from dflash_pipeline.models.generation import generate
 from dflash_pipeline.models.target import Target, final_norm
 

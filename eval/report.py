@@ -1,49 +1,53 @@
-"""What the eval stage writes: eval_results.json (its record of what was evaluated: `header`; then the figures),
-results.md (tables), acceptance.png (a_k offline vs online), and the wandb summary (scalars, a table, a line plot per
-method). Files are written atomically (tmp + os.replace); `write_outputs` writes them all.
+"""What the eval stage writes from its record (eval/results.py): eval_results.json (`as_json`: what was evaluated,
+then the figures), results.md (tables), acceptance.png (a_k offline vs online), and the wandb summary (scalars, a
+table, a line plot per method). Files are written atomically (tmp + os.replace); `write_outputs` writes them all.
+The tables, plot and summary read the JSON form, so that a finished run's file gives the same summary.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-import torch
-
-from dflash_pipeline.data.files import atomic_path, write_json, write_text
+from dflash_pipeline.runtime.files import atomic_path, write_json, write_text
 from dflash_pipeline.eval.metrics import simulated_tau
+from dflash_pipeline.eval.results import EvalRecord
 from dflash_pipeline.runtime.logger import RunLogger
 
 log = logging.getLogger(__name__)
 
 
-def header(s, digest: str, prompts: dict[str, list[dict]], references, numerics: dict) -> dict:
-    """The results' record of what was evaluated, how, and on what (s: eval/stage.py's Setup); the eval stage's
-    steps fill in the figures."""
-    e = s.cfg.eval
-    return {
-        "config_hash": digest,
-        "not_run": s.not_run,
-        "target": s.target.ref,
-        "drafter_dir": str(s.drafter_dir),
-        "block_size": s.block_size,
-        "trained_block_size": s.drafter.config.block_size,
-        "temperature": e.temperature,
-        **({"acceptance_rule": str(e.acceptance_rule)} if e.temperature > 0 else {}),
-        "max_new_tokens": e.max_new_tokens,
-        "datasets": list(prompts),
-        "prompts": {label: {"offline": len(ps), "online": len(ps[: e.online_prompts])}
-                    for label, ps in prompts.items()},
-        "references": {"folder": str(references.folder), "reused": references.reused,
-                       "generated": references.generated},
-        "timing": {"protocol": "one warm-up per eval set, then per prompt AR, spec, spec, AR x timing_repeats "
-                               "(plain decoding in each other dtype of eval.baseline_dtypes after the first AR and "
-                               "after the second spec); medians of per-run time per output token",
-                   "device": str(s.device), "num_threads": torch.get_num_threads(),
-                   "repeats": e.timing_repeats},
-        "numerics": numerics,
-        "offline": {},
-        "methods": {m: {} for m in s.methods},
+def as_json(r: EvalRecord) -> dict:
+    """The record as eval_results.json holds it: the header's keys, then the figures (keys and order unchanged
+    across versions: dflash-compare and wandb read old and new runs alike)."""
+    h = r.header
+    out = {
+        "config_hash": h.config_hash,
+        "not_run": h.not_run,
+        "target": h.target,
+        "drafter_dir": h.drafter_dir,
+        "block_size": h.block_size,
+        "trained_block_size": h.trained_block_size,
+        "temperature": h.temperature,
+        **({"acceptance_rule": h.acceptance_rule} if h.acceptance_rule is not None else {}),
+        "max_new_tokens": h.max_new_tokens,
+        "datasets": h.datasets,
+        "prompts": h.prompts,
+        "references": h.references,
+        "timing": h.timing,
+        "numerics": h.numerics,
+        "offline": {"teacher_heldout": r.heldout, **{label: s.offline for label, s in r.sets.items()}},
+        "methods": {m: {label: s.methods[m].figures for label, s in r.sets.items() if m in s.methods}
+                    for m in h.methods},
+        "offline_note": r.offline_note,
+        "costs": {**r.costs, "per_set": {label: s.costs for label, s in r.sets.items()}},
+        "policies": r.policies,
     }
+    if r.served is not None:
+        v = r.served
+        out["served"] = {"engine": v.engine, "target_dir": v.target_dir, "threads": v.threads, "dtype": v.dtype,
+                         "tolerance": v.tolerance, "sets": v.sets, **({"gguf": v.gguf} if v.gguf else {}),
+                         "pass": v.passed}
+    return out
 
 
 def _f(x, digits: int = 3) -> str:
@@ -342,9 +346,10 @@ def log_wandb(logger, results: dict) -> None:
             run.summary[f"{m}/{ds}/speedup"] = r["speedup"]
 
 
-def write_outputs(cfg, out: Path, results: dict, results_name: str) -> None:
+def write_outputs(cfg, out: Path, record: EvalRecord, results_name: str) -> None:
     """Every output of the eval stage: metrics.jsonl (+ wandb), results.md, acceptance.png, and last the results
     file, whose presence marks the stage complete."""
+    results = as_json(record)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     logger = RunLogger(cfg, out, "eval")

@@ -31,6 +31,7 @@ from dflash_pipeline.eval.engines import EnginePair, LlamaCppPair, VLLMPair
 from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.eval.exactness import ExactnessJudge
 from dflash_pipeline.eval.gates import Gate, OwnSet, compare, own_counts, sampled_gate
+from dflash_pipeline.eval.results import Served, SetResult
 from dflash_pipeline.models.target import target_folder
 from dflash_pipeline.runtime.progress import Progress
 
@@ -134,7 +135,7 @@ class ServeSettings:
 
 
 def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets: dict[str, list[dict]],
-          own_runs: dict, results: dict) -> dict:
+          own: dict[str, SetResult]) -> Served:
     """The exported drafter served by the engine (eval.served.engine: vllm, llamacpp) on each set's online prompts,
     beside the own loop's chain runs of the same prompts: per-position acceptance served / own loop / teacher-forced,
     exactness, speed, and the parity gate's verdict per set (greedy: counters equal in float32 in vLLM, within
@@ -142,8 +143,6 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     > 0: the statistical gate over seeds)."""
     llamacpp = str(s.served.engine) == "llamacpp"  # eval/stage.py check_llamacpp refused what it does not run
     sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
-    out = {"engine": str(s.served.engine), "target_dir": str(s.target_dir), "threads": s.threads, "dtype": s.dtype,
-           "tolerance": s.served.tolerance, "sets": {}}
     log_file = Path(s.cache_dir) / ("llamacpp" if llamacpp else "vllm") / "engine.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.unlink(missing_ok=True)  # this run's engines only
@@ -156,29 +155,27 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     gate = None if sampled else Gate(s.block_size - 1, gate_dtype, s.served.tolerance,
                                      judge.near_ties_allowed() if llamacpp else judge,
                                      export_contract(s.drafter_dir, str(s.served.engine)), drafter_contract(drafter),
-                                     name,
-                                     s.max_new_tokens if llamacpp else None)
+                                     name, s.max_new_tokens if llamacpp else None)
     if llamacpp:
-        engine = LlamaCppPair(s.cache_dir, s.target_dir, s.drafter_dir, s.block_size, s.max_model_len,
-                                    s.threads, log_file, outtype="f32" if s.dtype == "float32" else "f16",
-                                    plain=not sampled)
-        out["gguf"] = {"target": str(engine.target_gguf), "drafter": str(engine.drafter_gguf)}
+        engine = LlamaCppPair(s.cache_dir, s.target_dir, s.drafter_dir, s.block_size, s.max_model_len, s.threads,
+                              log_file, outtype="f32" if s.dtype == "float32" else "f16", plain=not sampled)
+        gguf = {"target": str(engine.target_gguf), "drafter": str(engine.drafter_gguf)}
     else:
+        gguf = None
         engine = VLLMPair(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len,
-                            s.threads, log_file, plain=not sampled,
-                            draft_sample_method=s.served.draft_sample_method if sampled else "greedy",
-                            repair=s.served.repair)
+                          s.threads, log_file, plain=not sampled,
+                          draft_sample_method=s.served.draft_sample_method if sampled else "greedy",
+                          repair=s.served.repair)
+    out = Served(str(s.served.engine), str(s.target_dir), s.threads, s.dtype, s.served.tolerance, gguf)
     try:
         for label, prompts in prompt_sets.items():
             timed = prompts[: s.online_prompts]
-            out["sets"][label] = (_sampled(s, engine, target, drafter, timed, label) if sampled else
-                                  _greedy(s, engine, gate, target, timed, label, own_runs, results))
+            out.sets[label] = (_sampled(s, engine, target, drafter, timed, label) if sampled else
+                               _greedy(s, engine, gate, target, own[label].methods[str(s.served.method)].own, label))
     finally:
         engine.close()
-    out["pass"] = all(r["gate"]["pass"] for r in out["sets"].values())
-    if not out["pass"] and s.served.strict:
-        raise EvalError("; ".join(r["gate"]["line"] for r in out["sets"].values() if not r["gate"]["pass"])
-                        + " (eval.served.strict=true)")
+    if not out.passed and s.served.strict:
+        raise EvalError("; ".join(out.failures()) + " (eval.served.strict=true)")
     return out
 
 
@@ -190,15 +187,12 @@ def _sampled(s: ServeSettings, engine: EnginePair, target, drafter, timed: list[
                        s.served.draft_sample_method, label, budget=s.max_new_tokens if llamacpp else None)
 
 
-def _greedy(s: ServeSettings, engine: EnginePair, gate: Gate, target, timed: list[dict], label: str, own_runs: dict,
-            results: dict) -> dict:
-    method = str(s.served.method)  # chain, or the selector walk the DFlash2 checkpoint runs in the engine
-    ar, rounds, spec = own_runs[label][method]
-    own = results["methods"][method][label]
+def _greedy(s: ServeSettings, engine: EnginePair, gate: Gate, target, own: OwnSet, label: str) -> dict:
+    """own: the own loop's runs of the served method (chain, or the selector walk the DFlash2 checkpoint runs in
+    the engine) on this set's online prompts."""
     batch = s.served.batch if engine.batches else 0  # llama.cpp: one request at a time
-    served = engine.run([p["prompt_ids"] for p in timed], s.max_new_tokens, target.eos_ids, s.repeats, batch, label)
-    res = compare(served, OwnSet(timed, ar, rounds, spec, own["a_k_online"],
-                                 results["offline"][label]["methods"][method]["a_k"]), gate)
-    fastest = min(own.get("ms_per_token_ar_by_dtype", {}).values(), default=own["ms_per_token_ar"])
-    res["speedup_vs_own_fastest_ar"] = res["tokens_per_s_spec"] * fastest / 1e3
+    served = engine.run([p["prompt_ids"] for p in own.prompts], s.max_new_tokens, target.eos_ids, s.repeats, batch,
+                        label)
+    res = compare(served, own, gate)
+    res["speedup_vs_own_fastest_ar"] = res["tokens_per_s_spec"] * own.ms_per_token_fastest_ar / 1e3
     return res

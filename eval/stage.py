@@ -20,18 +20,21 @@ import torch
 from omegaconf import DictConfig
 
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.runtime.stages import config_hash, recorded_hash
+from dflash_pipeline.runtime import stages
+from dflash_pipeline.runtime.stages import component_export, config_hash, recorded_hash, run_dir_of, stage_dir
 from dflash_pipeline.eval import costs, report
 from dflash_pipeline.eval import served as served_eval
 from dflash_pipeline.eval.exactness import ExactnessJudge
 from dflash_pipeline.eval.errors import EvalError
+from dflash_pipeline.eval.gates import OwnSet
 from dflash_pipeline.eval.inputs import (dataset_source, load_drafter, numerics, prompt_sets, reply_items,
                                          teacher_heldout_items)
-from dflash_pipeline.eval.methods import check_names, component_export, load_methods, runnable
+from dflash_pipeline.eval.methods import check_names, components_used, load_methods, runnable
 from dflash_pipeline.eval.metrics import offline_metrics
 from dflash_pipeline.eval.online import baseline_models, run_online
 from dflash_pipeline.eval.policies import EvalContext
 from dflash_pipeline.eval.references import ReferenceCache
+from dflash_pipeline.eval.results import EvalRecord, Header, MethodOnSet, SetResult
 from dflash_pipeline.eval.tree import TreeMethod, tree_offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import recapture
@@ -79,7 +82,7 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_
     check_config(cfg)
     e = cfg.eval
     check_names(e.methods)
-    digest = config_hash(cfg, "eval")
+    digest = eval_hash(cfg)
     results_file = out / RESULTS
     old = recorded_hash("eval", out)
     if old == digest:
@@ -96,17 +99,23 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_
     if e.num_threads:
         torch.set_num_threads(e.num_threads)
     try:
-        teacher_dir = Path(cfg.trainer.data_dir or teacher_dir or out.parent / cfg.teacher.out_dir)
-        train_dir = Path(train_dir or out.parent / cfg.trainer.out_dir)
-        results = _evaluate(cfg, teacher_dir, train_dir, digest, labels, component_dirs or {})
+        run_dir = run_dir_of("eval", out)
+        teacher_dir = stages.teacher_dir(cfg, run_dir, teacher_dir)
+        train_dir = Path(train_dir or stage_dir(cfg, "train", run_dir))
+        record = _evaluate(cfg, teacher_dir, train_dir, digest, labels, component_dirs or {})
     finally:
         torch.set_num_threads(threads)
-    report.write_outputs(cfg, out, results, RESULTS)
+    report.write_outputs(cfg, out, record, RESULTS)
     return out
 
 
+def eval_hash(cfg: DictConfig) -> str:
+    """The eval stage's config hash: its own section and those of every component its methods use."""
+    return config_hash(cfg, "eval", components_used(cfg.eval.methods))
+
+
 def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, labels: list[str],
-              component_dirs: dict[str, Path]) -> dict:
+              component_dirs: dict[str, Path]) -> EvalRecord:
     e = cfg.eval
     s = build(cfg, train_dir, component_dirs)
     room = s.target.config.max_position_embeddings - e.max_new_tokens - s.block_size
@@ -117,27 +126,21 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
                for label, ps in prompts.items()}
     log.info("AR references: %d reused, %d generated (%s)", references.reused, references.generated,
              references.folder)
-    results = report.header(s, digest, prompts, references, numerics(s.target, teacher_dir, e.near_tie_tolerance))
+    header = Header.of(s, digest, prompts, references, numerics(s.target, teacher_dir, e.near_tie_tolerance))
     heldout, note = teacher_heldout_items(cfg, teacher_dir, s.drafter_dir, s.target, s.layer_ids)
-    results["offline"]["teacher_heldout"] = offline(s, heldout, "teacher_heldout", note=note) if heldout else None
     if not heldout:
         log.warning("no offline metrics on held-out teacher data: %s", note)
-    results["offline_note"] = note
     ctx, policies = calibrate(s, heldout or [], prompts)
-    results["costs"] = {**ctx.report(), "calibration_sequences": len(ctx.calibration), "per_set": {}}
-    results["policies"], own_runs = policies, {}
+    record = EvalRecord(header, offline(s, heldout, "teacher_heldout", note=note) if heldout else None, note,
+                        {**ctx.report(), "calibration_sequences": len(ctx.calibration)}, policies)
     for label, ps in prompts.items():
-        run = evaluate_set(s, label, ps, replies[label], ctx, room)
-        results["offline"][label], results["costs"]["per_set"][label] = run.offline, run.costs
-        for m, figures in run.methods.items():
-            results["methods"][m][label] = figures
-        own_runs[label] = run.own
+        record.sets[label] = evaluate_set(s, label, ps, replies[label], ctx, room)
     if e.served.engine:  # after the own loop's timing, so that no engine process shares the cores with it
         served_dir = s.drafter_dir if str(e.served.method) == "chain" else \
             component_export("selector", train_dir, component_dirs)
         settings = served_eval.ServeSettings.of(cfg, s.target, served_dir, s.block_size)
-        results["served"] = served_eval.serve(settings, s.target, s.drafter, s.judge, prompts, own_runs, results)
-    return results
+        record.served = served_eval.serve(settings, s.target, s.drafter, s.judge, prompts, record.sets)
+    return record
 
 
 def build(cfg: DictConfig, train_dir: Path, component_dirs: dict[str, Path]) -> Setup:
@@ -230,19 +233,8 @@ def calibrate(s: Setup, heldout: list[dict], prompts: dict[str, list[dict]]) -> 
     return ctx, policies
 
 
-@dataclass
-class SetRun:
-    """One eval set's figures: teacher-forced on the replies, its cost curve, each method's online figures, and the
-    first runs ({method: (AR outputs, rounds, spec outputs)}) the served comparison reads."""
-
-    offline: dict
-    costs: dict
-    methods: dict[str, dict]
-    own: dict[str, tuple]
-
-
 def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[int]], ctx: EvalContext,
-                 room: int) -> SetRun:
+                 room: int) -> SetResult:
     """The offline metrics and every method's online decode of one eval set."""
     e, B = s.cfg.eval, s.block_size
     seqs = [(p["prompt_ids"], r) for p, r in zip(prompts, replies)]
@@ -251,14 +243,14 @@ def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[i
     here = costs.cost_curve(s.target, s.drafter, costs.decode_context(timed, e.max_new_tokens, room), B,
                             tuple(ctx.tree_cost), [], label, e.cost_repeats)  # just before this set's timing
     ks = sorted(set(e.recall_k))
-    run = SetRun(on_replies, here.report(), {}, {})
+    result = SetResult(on_replies, here.report())
     for m, method in s.methods.items():
         online = run_online(s.target, method, timed, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
                             temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats, strict=e.strict_exact,
                             costs=here, judge=s.judge, baselines=s.baselines, acceptance=str(e.acceptance_rule))
-        run.own[m] = (online.pop("ar_outputs"), online.pop("spec_rounds"), online.pop("spec_outputs"))
+        first = (online.pop("ar_outputs"), online.pop("spec_rounds"), online.pop("spec_outputs"))
         own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
-        run.methods[m] = {
+        figures = {
             **online,
             "a_k_offline": own["a_k"],
             "recall": on_replies["recall"],
@@ -271,5 +263,6 @@ def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[i
             "oracle_tau": on_replies["oracle_tau"].get(str(method.top_k if method.top_k > 1 else max(ks))),
             "prompt_ids": [p["id"] for p in timed],
         }
-    return run
-
+        fastest = min(online.get("ms_per_token_ar_by_dtype", {}).values(), default=online["ms_per_token_ar"])
+        result.methods[m] = MethodOnSet(figures, OwnSet(timed, *first, online["a_k_online"], own["a_k"], fastest))
+    return result

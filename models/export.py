@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from dflash_pipeline.data.files import save_safetensors, write_text
+from dflash_pipeline.runtime.files import save_safetensors, write_text
 from dflash_pipeline.models.selector import PASS_THROUGH, SELECTOR_PREFIX, pass_through_tensors
 
 log = logging.getLogger(__name__)

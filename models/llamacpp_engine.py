@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from dflash_pipeline.data.files import atomic_path, write_json
+from dflash_pipeline.runtime.files import atomic_path, write_json
 from dflash_pipeline.models.export import GGUF_FOLDER
 
 SETUP = "bash scripts/setup_llamacpp.sh"

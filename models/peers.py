@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dflash_pipeline.data.files import save_safetensors, write_text
+from dflash_pipeline.runtime.files import save_safetensors, write_text
 from dflash_pipeline.models.drafter import DFlashDrafterConfig
 
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
                           LlamaForCausalLM, PreTrainedTokenizerBase)
 
-from dflash_pipeline.data.files import publish_folder
+from dflash_pipeline.runtime.files import publish_folder
 from dflash_pipeline.models.cache import CacheError, check_supported
 from dflash_pipeline.models.precision import machine, resolve_dtype
 

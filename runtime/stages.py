@@ -1,12 +1,17 @@
-"""Which config sections each stage depends on, and the hash that says whether a stage's output is still valid.
+"""The run folder: where each stage writes and reads, which config sections each stage depends on, and the hash that
+says whether a stage's output is still valid. Every other module asks this one for a stage's folder.
 
 A stage's output folder records the hash of the config it was made with; the pipeline skips a stage whose output is
 complete for the same hash, resumes an unfinished one, and refuses to mix outputs of different configs.
+
+Precedence, the same for every command: trainer.data_dir (a teacher dataset made elsewhere) beats the folder a caller
+resolved (a sweep's shared teacher stage), which beats the run's own <run_dir>/<teacher.out_dir>.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,19 +31,20 @@ def train_stage(component: str) -> str:
     return "train" if component == "drafter" else f"train/{component}"
 
 
-def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
+def stage_sections(cfg: DictConfig, stage: str, uses: Iterable[str] | None = None) -> list[str]:
     """The config sections a stage's output depends on, by construction: its own sections plus those of every stage
-    it reads (conf/catalogue.py; the eval's: those of every component its methods use, eval/methods.py), so a stage
-    is never reused for a config that differs anywhere upstream."""
+    it reads (conf/catalogue.py; the eval's: those of every component its methods use, `uses`, which eval/stage.py
+    eval_hash reads from the method catalogue), so a stage is never reused for a config that differs anywhere
+    upstream."""
     from dflash_pipeline.conf import catalogue
 
     if stage == "teacher":
         return list(TEACHER_SECTIONS)
     if stage == "eval":
-        from dflash_pipeline.eval.methods import method
-
-        used = {c for m in cfg.eval.methods for c in method(m).components()}
-        parts = [stage_sections(cfg, train_stage(c)) for c in sorted(used)] + [["eval"]]
+        if uses is None:
+            raise ValueError("the eval stage's sections include those of the components its methods use: pass uses= "
+                             "(eval/stage.py eval_hash)")
+        parts = [stage_sections(cfg, train_stage(c)) for c in sorted(set(uses))] + [["eval"]]
     else:
         name = component_of(stage)
         parts = [stage_sections(cfg, "teacher" if i == "teacher" else "train")
@@ -47,7 +53,7 @@ def stage_sections(cfg: DictConfig, stage: str) -> list[str]:
     return list(dict.fromkeys(s for part in parts for s in part))
 
 
-def stage_config(cfg: DictConfig, stage: str) -> dict:
+def stage_config(cfg: DictConfig, stage: str, uses: Iterable[str] | None = None) -> dict:
     """The resolved part of the config that determines the stage's output. A training stage leaves out its sections'
     decode-only keys (conf/catalogue.py: decode_only): they shape the eval's trees, not the weights."""
     from dflash_pipeline.conf import catalogue
@@ -62,12 +68,16 @@ def stage_config(cfg: DictConfig, stage: str) -> dict:
             return {k: strip(v) for k, v in node.items() if k not in IGNORED and k not in drop}
         return node
 
-    return {k: strip(full[k], decode.get(k, ())) for k in stage_sections(cfg, stage)}
+    return {k: strip(full[k], decode.get(k, ())) for k in stage_sections(cfg, stage, uses)}
 
 
-def config_hash(cfg: DictConfig, stage: str) -> str:
-    blob = json.dumps(stage_config(cfg, stage), sort_keys=True)
+def config_hash(cfg: DictConfig, stage: str, uses: Iterable[str] | None = None) -> str:
+    """uses: the eval stage's components (stage_sections)."""
+    blob = json.dumps(stage_config(cfg, stage, uses), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+EXPORT = "export"  # a training stage's exported model, in its folder: what engines and later stages load
 
 
 def stage_dir(cfg: DictConfig, stage: str, run_dir: str | Path) -> Path:
@@ -77,6 +87,64 @@ def stage_dir(cfg: DictConfig, stage: str, run_dir: str | Path) -> Path:
         return stage_dir(cfg, "train", run_dir) / component_of(stage)
     section = {"teacher": cfg.teacher, "train": cfg.trainer, "eval": cfg.eval}[stage]
     return Path(run_dir) / section.out_dir
+
+
+def run_dir_of(stage: str, folder: str | Path) -> Path:
+    """The run folder a stage's folder belongs to: the inverse of stage_dir for a one-level out_dir (the drafter's
+    train/, a component's train/<component>/, eval/)."""
+    return Path(folder).parent.parent if stage.startswith("train/") else Path(folder).parent
+
+
+def given_teacher(cfg: DictConfig) -> Path | None:
+    """The teacher dataset trainer.data_dir names (made elsewhere: no teacher stage runs); None when the run makes
+    its own."""
+    return Path(cfg.trainer.data_dir) if cfg.trainer.data_dir else None
+
+
+def teacher_dir(cfg: DictConfig, run_dir: str | Path, resolved: str | Path | None = None) -> Path:
+    """The teacher dataset the stages of `run_dir` read: trainer.data_dir, else `resolved` (the folder the pipeline
+    chose: stage_dirs), else the run's own teacher stage."""
+    return given_teacher(cfg) or Path(resolved or stage_dir(cfg, "teacher", run_dir))
+
+
+def export_dir(stage_folder: str | Path) -> Path:
+    """A training stage's export."""
+    return Path(stage_folder) / EXPORT
+
+
+def component_export(component: str, train_dir: str | Path, component_dirs: dict[str, Path] | None = None) -> Path:
+    """A component's export: its stage's (component_dirs: the pipeline's resolved folders), else the one under the
+    drafter's stage, <train_dir>/<component>/export (a component on a frozen drafter; a selector trained jointly)."""
+    return export_dir((component_dirs or {}).get(component, Path(train_dir) / component))
+
+
+def evaluated_drafter(cfg: DictConfig, train_dir: str | Path) -> Path:
+    """The exported drafter the eval stage reads: eval.drafter_dir, else the train stage's export."""
+    return Path(cfg.eval.drafter_dir) if cfg.eval.drafter_dir else export_dir(train_dir)
+
+
+def frozen_drafter(section: DictConfig, stage_folder: str | Path, resolved: str | Path | None = None) -> Path:
+    """The exported drafter a component trains on: its section's drafter_dir, else `resolved` (the pipeline's
+    drafter stage), else the export of the drafter stage its folder sits in (train/<component>/ -> train/export)."""
+    return Path(section.get("drafter_dir") or resolved or export_dir(Path(stage_folder).parent))
+
+
+def spool_dir(cfg: DictConfig, run_dir: str | Path) -> Path:
+    """Where a feature producer hands the drafter stage its features (trainer.features=producer): producer.spool,
+    relative to the run folder unless absolute."""
+    return Path(run_dir) / cfg.producer.spool
+
+
+def recorded_stage_dir(run_folder: str | Path, stage: str) -> Path:
+    """A finished run's stage folder as that run placed it: by the config it recorded (<run>/.hydra/config.yaml),
+    else by the default names (dflash-compare and the scripts read runs of any config)."""
+    from dflash_pipeline.conf.schema import EvalConfig, TeacherConfig, TrainerConfig
+
+    section, default = {"teacher": ("teacher", TeacherConfig.out_dir), "train": ("trainer", TrainerConfig.out_dir),
+                        "eval": ("eval", EvalConfig.out_dir)}[stage]
+    recorded = Path(run_folder) / ".hydra" / "config.yaml"
+    out = OmegaConf.select(OmegaConf.load(recorded), f"{section}.out_dir") if recorded.is_file() else None
+    return Path(run_folder) / (out or default)
 
 
 def recorded_hash(stage: str, folder: Path) -> str | None:
@@ -109,6 +177,5 @@ def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | No
             theirs = stage_dir(cfg, stage, shared_dir)
             if recorded_hash(stage, dirs[stage]) is None and recorded_hash(stage, theirs) == config_hash(cfg, stage):
                 dirs[stage] = theirs
-    if cfg.trainer.data_dir:
-        dirs["teacher"] = Path(cfg.trainer.data_dir)
+    dirs["teacher"] = teacher_dir(cfg, run_dir, dirs["teacher"])
     return dirs

@@ -17,12 +17,12 @@ import argparse
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
 
 from dflash_pipeline.conf.schema import register
+from dflash_pipeline.runtime.stages import given_teacher
 from dflash_pipeline.models.selector import top_candidates
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.drafter import DrafterComponent, drafter_of
@@ -49,7 +49,7 @@ def component(overrides: list[str], conv: bool, selector: bool) -> DrafterCompon
         cfg = compose("config", overrides=["experiment=smollm2_quick", "trainer.data_dir=runs/smollm2_quick/teacher",
                                            *overrides, *extra, f"trainer.selector_loss_weight={1.0 if selector else 0}"])
     torch.manual_seed(0)
-    return DrafterComponent(cfg, StageInputs(Path(cfg.trainer.data_dir)), torch.device("cpu"))
+    return DrafterComponent(cfg, StageInputs(given_teacher(cfg)), torch.device("cpu"))
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.models.precision import machine
+from dflash_pipeline.runtime.stages import export_dir, recorded_stage_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run  # noqa: E402
@@ -85,17 +86,18 @@ def main() -> None:
         capture = "engine" if dtype != "none" else "separate"
         run(["dflash-teacher", *recipe, "teacher.engine=vllm", f"teacher.capture={capture}",
              f"teacher.feature_dtype={dtype}", f"hydra.run.dir={folder}"])
+    datasets = {dtype: recorded_stage_dir(folder, "teacher") for dtype, folder in teachers.items()}
     train = [*recipe, f"trainer.steps={args.steps}", f"trainer.eval_every={args.steps}",
              f"trainer.save_every={args.steps // 2}", "trainer.log_every=10"]
     modes = {
-        "stored bf16 features": (["dflash-train", *train, f"trainer.data_dir={teachers['bfloat16'] / 'teacher'}"],
-                                 teachers["bfloat16"]),
+        "stored bf16 features": (["dflash-train", *train, f"trainer.data_dir={datasets['bfloat16']}"],
+                                 datasets["bfloat16"]),
         "target in the trainer (tokens only, trainer.online)": (
-            ["dflash-train", *train, f"trainer.data_dir={teachers['none'] / 'teacher'}", "trainer.online=true"],
-            teachers["none"]),
+            ["dflash-train", *train, f"trainer.data_dir={datasets['none']}", "trainer.online=true"],
+            datasets["none"]),
         "vLLM producer (tokens only, trainer.features=producer)": (
-            ["dflash-train", *train, f"trainer.data_dir={teachers['none'] / 'teacher'}", "trainer.features=producer",
-             "producer.engine=vllm", "producer.launch=false"], teachers["none"]),
+            ["dflash-train", *train, f"trainer.data_dir={datasets['none']}", "trainer.features=producer",
+             "producer.engine=vllm", "producer.launch=false"], datasets["none"]),
     }
     rows = []
     for i, (name, (cmd, teacher)) in enumerate(modes.items()):
@@ -106,10 +108,11 @@ def main() -> None:
             usage = train_with_producer(cmd, producer, folder / "spool")
         else:
             usage = {"trainer": run(cmd), "producer": None, "spool_peak_bytes": 0}
-        dataset = folder_bytes(teacher / "teacher")
-        rows.append({"mode": name, **usage, "dataset_bytes": dataset, "blocks_per_s": blocks_per_s(folder / "train"),
-                     "tokens": TeacherDataset(teacher / "teacher", verify=False).num_tokens,
-                     "weights": str(folder / "train" / "export" / "model.safetensors")})
+        train_dir = recorded_stage_dir(folder, "train")
+        rows.append({"mode": name, **usage, "dataset_bytes": folder_bytes(teacher),
+                     "blocks_per_s": blocks_per_s(train_dir),
+                     "tokens": TeacherDataset(teacher, verify=False).num_tokens,
+                     "weights": str(export_dir(train_dir) / "model.safetensors")})
         print(json.dumps(rows[-1]), flush=True)
     first = load_file(rows[0]["weights"])
     for r in rows:

@@ -62,6 +62,7 @@ def main() -> None:
     from dflash_pipeline.eval.gates import rates, summed
     from dflash_pipeline.models import llamacpp_engine as L
     from dflash_pipeline.models.target import _gguf_source, load_target, target_folder
+    from dflash_pipeline.runtime.stages import export_dir, recorded_stage_dir
 
     cfg = OmegaConf.merge(OmegaConf.load(a.run / ".hydra" / "config.yaml"), OmegaConf.from_dotlist(a.set))
     if a.shaped:
@@ -71,7 +72,8 @@ def main() -> None:
     target = load_target(cfg.target, cfg.cache_dir)
     folder = target_folder(cfg.target, cfg.cache_dir)
     out_dir = Path(cfg.cache_dir) / "llamacpp" / "gguf"
-    exports = [untrained(cfg, target, out_dir)] if a.untrained else a.exports or [a.run / "train" / "export"]
+    exports = ([untrained(cfg, target, out_dir)] if a.untrained
+               else a.exports or [export_dir(recorded_stage_dir(a.run, "train"))])
     block = json.loads((exports[0] / "config.json").read_text())["block_size"]
     if a.shaped:
         target_gguf = L.to_gguf(cfg.cache_dir, folder, out_dir, a.shaped_type)
@@ -158,7 +160,7 @@ def shaped_target(name: str, tokenizer_dir: Path, cache: Path) -> Path:
     out = cache / "targets" / f"shaped-{name}"
     if (out / "config.json").is_file():
         return out
-    from dflash_pipeline.data.files import publish_folder
+    from dflash_pipeline.runtime.files import publish_folder
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(**SHAPED[name], vocab_size=len(tok), tie_word_embeddings=True, rope_theta=130000.0,

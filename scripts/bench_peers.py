@@ -215,8 +215,10 @@ class Bench:
 
 # -- training, one function per trainer: (command, where its export will be) ---------------------------------------
 def ours_command(bench: Bench, recipe: str, folder: Path, steps: int) -> tuple[list[str], Path]:
+    from dflash_pipeline.runtime.stages import export_dir, recorded_stage_dir
+
     return ([shutil.which("dflash-train") or "dflash-train", *ours_overrides(bench.args, recipe, steps),
-             f"hydra.run.dir={folder}"], folder / "train" / "export")
+             f"hydra.run.dir={folder}"], export_dir(recorded_stage_dir(folder, "train")))
 
 
 def specforge_command(bench: Bench, recipe: str, folder: Path, steps: int) -> tuple[list[str], Path]:

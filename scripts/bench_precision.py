@@ -33,6 +33,7 @@ from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.eval.costs import decode_context
 from dflash_pipeline.eval.inputs import load_drafter, load_prompts
 from dflash_pipeline.models.target import load_target
+from dflash_pipeline.runtime.stages import stage_dir
 
 
 @torch.no_grad()
@@ -89,7 +90,7 @@ def main() -> None:
     for dtype in args.dtypes:
         cfg = compose_run([*base, f"target.dtype={dtype}"])
         target = load_target(cfg.target, cfg.cache_dir)
-        drafter, folder = load_drafter(cfg, Path(cfg.hydra.run.dir) / cfg.trainer.out_dir, target)
+        drafter, folder = load_drafter(cfg, stage_dir(cfg, "train", cfg.hydra.run.dir), target)
         B = cfg.eval.block_size or drafter.config.block_size
         room = target.config.max_position_embeddings - args.max_new_tokens - 16
         refs = ReferenceCache(Path(cfg.cache_dir) / "references", target)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
 
 from dflash_pipeline.conf.schema import register
+from dflash_pipeline.runtime.stages import given_teacher
 from dflash_pipeline.train.component import StageInputs
 from dflash_pipeline.train.drafter import DrafterComponent
 
@@ -46,7 +46,7 @@ def main() -> None:
     with initialize_config_module(config_module="dflash_pipeline.conf", version_base=None):
         cfg = compose("config", overrides=["experiment=smollm2_quick", "trainer.data_dir=runs/smollm2_quick/teacher",
                                            *args.overrides])
-    comp = DrafterComponent(cfg, StageInputs(Path(cfg.trainer.data_dir)), torch.device("cpu"))
+    comp = DrafterComponent(cfg, StageInputs(given_teacher(cfg)), torch.device("cpu"))
     opt = torch.optim.AdamW(comp.model.parameters(), lr=1e-4)
     batches = [comp.batch(comp.step_items(s), s) for s in range(args.steps)]
     blocks = sum(int(b["anchor_valid"].sum()) for b in batches)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.cli.entrypoints import compose_run, measurement_parser
-from dflash_pipeline.runtime.stages import stage_dir
+from dflash_pipeline.runtime.stages import component_export, stage_dir, teacher_dir
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.splits import split_heldout
 from dflash_pipeline.eval.protocol import drafter_blocks
@@ -50,15 +50,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = compose_run(args.overrides)
     run_dir = Path(cfg.hydra.run.dir)
-    train_dir = run_dir / cfg.trainer.out_dir
-    weaver_dir = args.weaver_dir or stage_dir(cfg, "train/weaver", run_dir) / "export"
+    train_dir = stage_dir(cfg, "train", run_dir)
+    weaver_dir = args.weaver_dir or component_export("weaver", train_dir)
     if not (weaver_dir / "model.safetensors").is_file():
         raise SystemExit(f"error: no trained Weaver at {weaver_dir}: run `dflash-train <same overrides> "
                          "trainer.component=weaver` first")
     target = load_target(cfg.target, cfg.cache_dir)
     drafter, folder = load_drafter(cfg, train_dir, target)
     weaver = load_weaver(weaver_dir, drafter.norm.weight.device)
-    data = TeacherDataset(Path(cfg.trainer.data_dir) if cfg.trainer.data_dir else run_dir / cfg.teacher.out_dir)
+    data = TeacherDataset(teacher_dir(cfg, run_dir))
     _, held = split_heldout(data.ids, cfg.trainer.heldout_samples, cfg.trainer.train_samples)
     B = drafter.config.block_size
     blocks, items = [], []  # (hidden (B, H), verifier hidden, anchor) per block, as a decode round has them

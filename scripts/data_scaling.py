@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.data.splits import split_heldout
+from dflash_pipeline.runtime.stages import recorded_stage_dir
 
 
 def final_heldout(train_dir: Path) -> dict:
@@ -72,7 +73,7 @@ def main() -> None:
                    *args.overrides]
             print("$", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
-            train_dir = run_dir / "train"
+            train_dir = recorded_stage_dir(run_dir, "train")
         held = final_heldout(train_dir)
         points.append({"sequences": size, "reply_tokens": reply_tokens(data, args.heldout, size),
                        "steps": held["step"], "tau_offline": held["tau_offline"],

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from dflash_pipeline.data.shards import TeacherDataset
+from dflash_pipeline.runtime.stages import recorded_stage_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import BENCHMARK_COLUMNS, benchmark_cells, chain_scores, run, tau_cell, train_seconds  # noqa: E402
@@ -44,11 +45,12 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         folder = out / mode
-        if not (folder / "eval" / "eval_results.json").is_file():
+        results = recorded_stage_dir(folder, "eval") / "eval_results.json"
+        if not results.is_file():
             run(["dflash-pipeline", *recipe, f"teacher.feature_dtype={mode}", f"hydra.run.dir={folder}"])
-        data = TeacherDataset(folder / "teacher", verify=False)
+        data = TeacherDataset(recorded_stage_dir(folder, "teacher"), verify=False)
         disk = sum(s["bytes"] for s in data.shards)
-        res = json.loads((folder / "eval" / "eval_results.json").read_text())
+        res = json.loads(results.read_text())
         held = res["offline"]["teacher_heldout"]
         train_s = train_seconds(folder / "dflash-pipeline.log")
         row = {"mode": mode, "disk_bytes": disk, "tokens": data.num_tokens, "bytes_per_token": disk / data.num_tokens,
@@ -64,7 +66,8 @@ def main() -> None:
         folder = out / f"memory_{mode}"
         record = folder / "usage.json"
         if not record.is_file():
-            usage = run(["dflash-train", *recipe, f"trainer.data_dir={(out / mode / 'teacher').resolve()}",
+            teacher = recorded_stage_dir(out / mode, "teacher").resolve()
+            usage = run(["dflash-train", *recipe, f"trainer.data_dir={teacher}",
                          f"trainer.steps={args.memory_steps}", f"trainer.eval_every={args.memory_steps}",
                          f"trainer.save_every={args.memory_steps}", "logger=none", f"hydra.run.dir={folder}"])
             usage["train_s"] = train_seconds(folder / "dflash-train.log")

@@ -25,6 +25,7 @@ from dflash_pipeline.eval.costs import decode_context
 from dflash_pipeline.eval.inputs import load_drafter, load_prompts
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.models.target import load_target
+from dflash_pipeline.runtime.stages import stage_dir
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
 
     run_dir = Path(cfg.hydra.run.dir)
     target = load_target(cfg.target, cfg.cache_dir)
-    drafter, folder = load_drafter(cfg, run_dir / cfg.trainer.out_dir, target)
+    drafter, folder = load_drafter(cfg, stage_dir(cfg, "train", run_dir), target)
     B = cfg.eval.block_size or drafter.config.block_size
     room = target.config.max_position_embeddings - args.max_new_tokens - B
     refs = ReferenceCache(Path(cfg.cache_dir) / "references", target)

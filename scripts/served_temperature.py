@@ -26,6 +26,7 @@ from dflash_pipeline.eval.decode import ACCEPTANCE_RULES
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.eval.inputs import load_drafter, load_prompts
 from dflash_pipeline.models.target import load_target, target_folder
+from dflash_pipeline.runtime.stages import stage_dir
 
 
 def _f(x) -> str:
@@ -53,7 +54,7 @@ def main() -> None:
     cfg.eval.num_prompts, cfg.eval.turns, cfg.eval.max_new_tokens = args.prompts, 1, args.max_new_tokens
     torch.set_num_threads(args.threads)
     target = load_target(cfg.target, cfg.cache_dir)
-    drafter, drafter_dir = load_drafter(cfg, run / cfg.trainer.out_dir, target)
+    drafter, drafter_dir = load_drafter(cfg, stage_dir(cfg, "train", run), target)
     room = target.config.max_position_embeddings - args.max_new_tokens
     prompts = [p["prompt_ids"] for p in load_prompts("mtbench", "mtbench", cfg, ReferenceCache(
         Path(cfg.cache_dir) / "references", target), room)["mtbench"]]

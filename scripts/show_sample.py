@@ -10,11 +10,11 @@ text with every trained span between [[ and ]]. The run's teacher folder is `<hy
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from dflash_pipeline.cli.entrypoints import compose_run
 from dflash_pipeline.data.shards import TeacherDataset
 from dflash_pipeline.models.target import load_tokenizer
+from dflash_pipeline.runtime.stages import teacher_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ def render(tokenizer, ids: list[int], mask: list[bool]) -> str:
 def main() -> None:
     args = build_parser().parse_args()
     cfg = compose_run(args.overrides)
-    folder = Path(cfg.trainer.data_dir or Path(cfg.hydra.run.dir) / cfg.teacher.out_dir)
+    folder = teacher_dir(cfg, cfg.hydra.run.dir)
     data = TeacherDataset(folder)
     tokenizer = load_tokenizer(cfg.target, cfg.cache_dir)
     for i in args.index:

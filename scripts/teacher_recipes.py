@@ -30,6 +30,7 @@ from pathlib import Path
 
 from dflash_pipeline.data.shards import DatasetError, TeacherDataset, merge_datasets
 from dflash_pipeline.data.splits import PREFILLED
+from dflash_pipeline.runtime.stages import recorded_stage_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import BENCHMARK_COLUMNS, benchmark_cells, chain_scores, tau_cell  # noqa: E402
@@ -47,14 +48,15 @@ def run(cmd: list[str]) -> float:
 
 def dataset_dir(path: Path) -> Path:
     """A teacher dataset folder, given it or the run folder holding it as teacher/."""
-    return path / "teacher" if (path / "teacher" / "manifest.json").is_file() else path
+    teacher = recorded_stage_dir(path, "teacher")
+    return teacher if (teacher / "manifest.json").is_file() else path
 
 
 def teacher_of(row_dir: Path, sources: list[Path]) -> Path:
     """The row's training set: the one dataset, or the merge of several (made once)."""
     if len(sources) == 1:
         return dataset_dir(sources[0])
-    merged = row_dir / "teacher"
+    merged = recorded_stage_dir(row_dir, "teacher")
     if not (merged / "manifest.json").is_file():
         merge_datasets([dataset_dir(s) for s in sources], merged)
     return merged
@@ -110,9 +112,9 @@ def main() -> None:
                        f"trainer.save_every={steps}", *args.overrides])
             timing.write_text(json.dumps({"seconds": sec}))
         train_s = json.loads(timing.read_text())["seconds"]
-        if not (row_dir / "eval" / "eval_results.json").is_file():
+        if not (recorded_stage_dir(row_dir, "eval") / "eval_results.json").is_file():
             run(["dflash-eval", *common, *EVAL, *args.overrides])
-        res = json.loads((row_dir / "eval" / "eval_results.json").read_text())
+        res = json.loads((recorded_stage_dir(row_dir, "eval") / "eval_results.json").read_text())
         held = res["offline"].get("teacher_heldout") or {}
         prefilled = sum(i.startswith(PREFILLED) for i in data.ids)
         row = {"name": name, "sources": [str(s) for s in sources], "samples": len(data), "prefilled": prefilled,

@@ -233,7 +233,7 @@ def test_two_processes_filling_one_cache_folder_both_succeed(tmp_path):
     one is an error. Concurrent writers of one file each use their own temporary name."""
     import os
 
-    from dflash_pipeline.data.files import atomic_path, publish_folder
+    from dflash_pipeline.runtime.files import atomic_path, publish_folder
 
     out = tmp_path / "targets" / "tiny-abc"
     first, second = tmp_path / "targets" / "tiny-abc.tmp1", tmp_path / "targets" / "tiny-abc.tmp2"

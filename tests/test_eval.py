@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_pipeline.conf.schema import ConfigError
-from dflash_pipeline.runtime.stages import config_hash
+from dflash_pipeline.eval.stage import eval_hash
 from dflash_pipeline.eval import decode
 from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.models.cache import crop as crop_cache
@@ -292,7 +292,7 @@ def test_eval_results_schema(tiny_eval):
     cfg, out = tiny_eval
     results = json.loads((out / "eval_results.json").read_text())
     B = results["block_size"]
-    assert B == cfg.drafter.block_size and results["config_hash"] == config_hash(cfg, "eval")
+    assert B == cfg.drafter.block_size and results["config_hash"] == eval_hash(cfg)
     assert (out / "results.md").is_file() and (out / "acceptance.png").stat().st_size > 0
     assert (out / "metrics.jsonl").is_file()
     held = results["offline"]["teacher_heldout"]

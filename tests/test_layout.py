@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from dflash_pipeline.conf.catalogue import COMPONENTS
+
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("conf", "runtime", "data", "models", "train", "eval", "cli")
 # Each package may import those before it: configuration; running a stage (folders, hashes, progress, logging); the
 # models; the data and teacher stage; evaluation; training (which reports eval's metrics while it trains); the
 # command line (a package's __main__ is a command too).
 LAYERS = ("conf", "runtime", "models", "data", "eval", "train", "cli")
-# The arrows that still run up, each for its reason.
-UPWARD = {
-    ("runtime", "eval"): "the eval stage's config hash covers the components its methods use (eval/methods.py)",
-    ("models", "data"): "atomic file writes (data/files.py) when a model saves itself",
-}
+# The arrows that still run up, each for its reason: none since the stage hash is given the eval's components
+# (eval/stage.py eval_hash) and the atomic writes moved to runtime/files.py.
+UPWARD: dict[tuple[str, str], str] = {}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -121,3 +121,40 @@ def test_the_eval_stage_loads_no_training_code_at_run_time():
             "print([m for m in sys.modules if m.startswith('dflash_pipeline.train')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# Where stages write and read is runtime/stages.py's alone (its docstring states the precedence); bench_peers lays out
+# the peers' runs beside ours (its own runs name eval.out_dir on their command lines).
+PATH_OWNER, PATH_EXEMPT = "runtime/stages.py", {"scripts/bench_peers.py"}
+STAGE_KEYS = {"out_dir", "data_dir", "drafter_dir", "spool"}
+SECTIONS = {"teacher", "trainer", "eval", "producer", *COMPONENTS}  # config sections holding such keys
+STAGE_NAMES = {"teacher", "train", "eval", "export"}
+
+
+def stage_path_rules(source: str) -> list[str]:
+    """Where a module rules a stage path itself: reads a section's out_dir / data_dir / drafter_dir key, or joins a
+    stage folder's name (`folder / "export"`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in STAGE_KEYS and isinstance(node.value, ast.Attribute) \
+                and node.value.attr in SECTIONS:
+            found.append(f"line {node.lineno}: .{node.value.attr}.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in STAGE_KEYS:
+            found.append(f"line {node.lineno}: .get({node.args[0].value!r})")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                and node.right.value in STAGE_NAMES:
+            found.append(f"line {node.lineno}: / {node.right.value!r}")
+    return found
+
+
+def test_every_module_asks_runtime_stages_for_stage_folders():
+    files = [f for p in (*PACKAGES, "scripts") for f in sorted((ROOT / p).rglob("*.py"))]
+    rules = {str(f.relative_to(ROOT)): stage_path_rules(f.read_text()) for f in files}
+    assert rules[PATH_OWNER], "the check no longer sees runtime/stages.py's own rules"
+    assert {f: r for f, r in rules.items() if r and f != PATH_OWNER and f not in PATH_EXEMPT} == {}
+
+
+def test_the_path_check_sees_a_rule_of_its_own():
+    assert len(stage_path_rules('a = cfg.trainer.data_dir or run / cfg.teacher.out_dir\nb = out / "export"\n'
+                                'c = own.get("drafter_dir")')) == 4

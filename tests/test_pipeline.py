@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dflash_pipeline.cli.entrypoints import run_stages
+from dflash_pipeline.eval.stage import eval_hash
 from dflash_pipeline.runtime.stages import config_hash
 from dflash_pipeline.eval.stage import EvalError, run_eval
 from dflash_pipeline.eval.methods import METHODS, evaluated_names
@@ -79,9 +80,9 @@ def test_decode_settings_rerun_the_eval_and_not_the_training():
                          "weaver.expansions=4")
     retrained = make_config("experiment=tiny", "weaver.rank=8")
     assert config_hash(wider, "train/weaver") == config_hash(base, "train/weaver")
-    assert config_hash(wider, "eval") != config_hash(base, "eval")
+    assert eval_hash(wider) != eval_hash(base)
     assert config_hash(retrained, "train/weaver") != config_hash(base, "train/weaver")
-    assert config_hash(retrained, "eval") != config_hash(base, "eval")
+    assert eval_hash(retrained) != eval_hash(base)
 
 
 @pytest.mark.slow

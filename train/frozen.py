@@ -135,7 +135,7 @@ def export_with_drafter(drafter_dir: Path, folder: Path, tensors: dict[str, torc
     `folder`: one checkpoint an engine loads whole; config.json records `provenance` under dflash_pipeline.<section>."""
     from safetensors.torch import load_file
 
-    from dflash_pipeline.data.files import save_safetensors, write_text
+    from dflash_pipeline.runtime.files import save_safetensors, write_text
 
     folder.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(folder / GGUF_FOLDER, ignore_errors=True)  # derived from the export this replaces

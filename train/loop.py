@@ -23,8 +23,9 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.runtime.stages import config_hash, recorded_hash, train_stage
-from dflash_pipeline.data.files import follow_umask
+from dflash_pipeline.runtime.stages import (config_hash, export_dir, frozen_drafter, recorded_hash, run_dir_of,
+                                            teacher_dir, train_stage)
+from dflash_pipeline.runtime.files import follow_umask
 from dflash_pipeline.data.splits import split_points
 from dflash_pipeline.conf import catalogue
 from dflash_pipeline.train.component import StageInputs, TrainingComponent
@@ -66,11 +67,6 @@ def loop_settings_of(cfg: DictConfig, name: str) -> DictConfig:
     return loop_settings(cfg, cfg.get(name) if catalogue.component(name).config is not None else None)
 
 
-def _run_dir(out: Path, name: str) -> Path:
-    """The run directory of a training stage folder: train/ for the drafter, train/<component>/ for others."""
-    return out.parent if name == "drafter" else out.parent.parent
-
-
 def brief(metrics: dict) -> str:
     """A log line's worth of metrics: scalars, and the first three entries of per-position lists."""
     parts = []
@@ -109,14 +105,14 @@ def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, dra
     a finished run of another config (a component on a frozen drafter is cheap and simply trained again)."""
     entry = catalogue.component(name)
     own = cfg.get(name) if entry.config is not None else None
-    inputs = StageInputs(teacher=Path(data_dir or cfg.trainer.data_dir or _run_dir(out, name) / cfg.teacher.out_dir),
-                         run_dir=_run_dir(out, name))
+    stage = train_stage(name)
+    run_dir = run_dir_of(stage, out)
+    inputs = StageInputs(teacher=teacher_dir(cfg, run_dir, data_dir), run_dir=run_dir)
     if entry.on_frozen_drafter:
-        inputs.drafter = Path(own.get("drafter_dir") or drafter_dir or out.parent / "export")
+        inputs.drafter = frozen_drafter(own, out, drafter_dir)
         if not (inputs.drafter / "config.json").is_file():
             raise TrainError(f"{name} trains on a frozen drafter, and there is no exported drafter at "
                              f"{inputs.drafter}: run dflash-train (the drafter) first or set {name}.drafter_dir")
-    stage = train_stage(name)
     digest, finished = config_hash(cfg, stage), recorded_hash(stage, out)
     t = loop_settings_of(cfg, name)
     if finished == digest and not t.resume:
@@ -208,9 +204,9 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
         comp.close()  # what the component started (a feature producer) stops with it
     with parallel.unsharded() as trained:
         if accelerator.is_main_process:
-            comp.export(trained, out / "export")
+            comp.export(trained, export_dir(out))
             (out / "done.json").write_text(json.dumps({"config_hash": stage.digest, "steps": t.steps}))
-            log.info("exported the trained %s to %s", name, out / "export")
+            log.info("exported the trained %s to %s", name, export_dir(out))
     accelerator.wait_for_everyone()
     logger.finish()
     return out

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from dflash_pipeline.data.files import save_safetensors, write_json
+from dflash_pipeline.runtime.files import save_safetensors, write_json
 
 if TYPE_CHECKING:  # scripts/gpu_check.py uses `shard` without accelerate installed
     from accelerate import Accelerator
