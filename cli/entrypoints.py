@@ -47,7 +47,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from dflash_pipeline.conf.schema import ConfigError
     from dflash_pipeline.data.shards import DatasetError
     from dflash_pipeline.data.sources import DataSourceError
-    from dflash_pipeline.models.target import TargetError
+    from dflash_pipeline.models.errors import TargetError
     from dflash_pipeline.eval.errors import EvalError
     from dflash_pipeline.train.loop import TrainError
     from dflash_pipeline.models.llamacpp_engine import LlamaCppError
@@ -208,7 +208,7 @@ def export_gguf(cfg: DictConfig, component: str, stage_dir: Path) -> None:
     from accelerate import PartialState
 
     from dflash_pipeline.models import llamacpp_engine
-    from dflash_pipeline.models.target import _gguf_source, target_folder
+    from dflash_pipeline.models.target_sources import gguf_source, target_folder
     from dflash_pipeline.runtime.stages import component_export, export_dir
 
     joint = cfg.trainer.selector_loss_weight > 0
@@ -220,7 +220,7 @@ def export_gguf(cfg: DictConfig, component: str, stage_dir: Path) -> None:
     state = PartialState(cpu=not torch.cuda.is_available())  # as data/teacher.py
     if state.is_main_process:
         target_dir = target_folder(cfg.target, cfg.cache_dir)
-        source = _gguf_source(cfg.target.path, cfg.target.gguf_file) if str(cfg.target.kind) == "gguf" else None
+        source = gguf_source(cfg.target.path, cfg.target.gguf_file) if str(cfg.target.kind) == "gguf" else None
         for folder in folders:
             out = llamacpp_engine.write_gguf(cfg.cache_dir, folder, target_dir, [str(t) for t in cfg.export.gguf],
                                              source)

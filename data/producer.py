@@ -55,7 +55,8 @@ def spool_of(cfg: DictConfig, run_dir: str | Path, data: TeacherDataset) -> Spoo
 @contextlib.contextmanager
 def feature_engine(cfg: DictConfig, layer_ids: list[int], log_file: Path):
     """A function sequences -> their features (T, taps*H) each: vLLM's capture, or the transformers target's."""
-    from dflash_pipeline.models.target import load_target, target_folder
+    from dflash_pipeline.models.target import load_target
+    from dflash_pipeline.models.target_sources import target_folder
 
     if cfg.producer.engine == "vllm":
         from dflash_pipeline.models.vllm_engine import VLLMEngine, check_capture_layers

@@ -46,7 +46,9 @@ from dflash_pipeline.data.shards import (FEATURE_DTYPES, FORMAT_VERSION, Dataset
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.splits import PREFILLED
 from dflash_pipeline.models.generation import capture_batched, generate, generate_capturing, topk_logprobs
-from dflash_pipeline.models.target import Target, load_target, output_logits, resolve_layer_ids, target_folder
+from dflash_pipeline.models.families import output_logits, resolve_layer_ids
+from dflash_pipeline.models.target import Target, load_target
+from dflash_pipeline.models.target_sources import target_folder
 from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, check_capture_layers, vllm_python
 
 log = logging.getLogger(__name__)
@@ -286,7 +288,7 @@ def check_existing(out: Path, digest: str, config: dict) -> str:
 
 
 def teacher_and_target(cfg: DictConfig, data_dir: Path, body: bool = True) -> tuple[TeacherDataset, Target]:
-    """A finished teacher dataset and the configured target (body=False: its head alone, models/target.py
+    """A finished teacher dataset and the configured target (body=False: its head alone, models/target_head.py
     TargetHead), checked to belong together and to leave more than trainer.heldout_samples sequences for training
     (what every training stage starts from)."""
     data = TeacherDataset(data_dir)

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from dflash_pipeline.data.blocks import pack_blocks
 from dflash_pipeline.models.drafter import DFlashDrafter
-from dflash_pipeline.models.target import tapped
+from dflash_pipeline.models.families import tapped
 
 
 NOT_VERIFIED = -1  # a path's drafts from here on are not verified this round (offline: they count as rejected)

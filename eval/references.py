@@ -22,7 +22,8 @@ from pathlib import Path
 from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.runtime.files import write_json
 from dflash_pipeline.models.generation import generate
-from dflash_pipeline.models.target import Target, final_norm
+from dflash_pipeline.models.families import final_norm
+from dflash_pipeline.models.target import Target
 
 log = logging.getLogger(__name__)
 

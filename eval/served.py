@@ -32,7 +32,7 @@ from dflash_pipeline.eval.errors import EvalError
 from dflash_pipeline.eval.exactness import ExactnessJudge
 from dflash_pipeline.eval.gates import Gate, OwnSet, compare, own_counts, sampled_gate
 from dflash_pipeline.eval.results import Served, SetResult
-from dflash_pipeline.models.target import target_folder
+from dflash_pipeline.models.target_sources import target_folder
 from dflash_pipeline.runtime.progress import Progress
 
 log = logging.getLogger(__name__)

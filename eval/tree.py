@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from dflash_pipeline.eval.metrics import conditional_acceptance, simulated_tau
 from dflash_pipeline.eval.protocol import ChainMethod, Proposal, RoundState, drafter_blocks, sync
 from dflash_pipeline.models import cache as target_cache
-from dflash_pipeline.models.target import tapped, text_config
+from dflash_pipeline.models.families import tapped, text_config
 
 DENSE_MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that honour a custom 4D float mask
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from dflash_pipeline.models import cache as target_cache
-from dflash_pipeline.models.target import final_norm, output_logits, tapped
+from dflash_pipeline.models.families import final_norm, output_logits, tapped
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None):

@@ -80,7 +80,7 @@ def root_cause(log_file: str | Path, start: int = 0) -> str | None:
 
 def check_capture_layers(layer_ids: list[int], num_layers: int) -> None:
     """vLLM's extraction gives the last decoder layer's output before the final norm, transformers' hidden_states
-    (the project's taps: models/target.py tapped) after it: refused, naming the fix, rather than stored different."""
+    (the project's taps: models/families.py tapped) after it: refused, naming the fix, rather than stored different."""
     if num_layers - 1 in layer_ids:
         raise VLLMError(f"taps {list(layer_ids)} include the last layer ({num_layers - 1}), whose state vLLM captures "
                         "before the final norm and transformers after it: tap earlier layers (teacher.layer_ids / "
@@ -91,7 +91,7 @@ def check_capture_layers(layer_ids: list[int], num_layers: int) -> None:
 class VLLMEngine:
     """One vLLM engine (the target, with or without a speculative drafter) in a subprocess; a context manager.
 
-    model: the target's folder (models/target.py target_folder); dtype: "float32" / "bfloat16" / ...;
+    model: the target's folder (models/target_sources.py target_folder); dtype: "float32" / "bfloat16" / ...;
     speculative: vLLM's speculative_config (None: plain decoding); repair: mend the engine code the worker's checks
     find wrong (models/vllm_worker.py); capture_layers: the project's tapped layer ids whose states `capture` returns
     (vLLM's extract_hidden_states; no speculative drafter then). After start: .version, .checks ({name: right here}),

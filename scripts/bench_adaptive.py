@@ -22,7 +22,8 @@ from dflash_pipeline.eval.decode import autoregressive, speculative
 from dflash_pipeline.eval.protocol import ChainMethod
 from dflash_pipeline.eval.policies import AdaptiveMethod, EvalContext, measure_costs
 from dflash_pipeline.models.drafter import DFlashDrafter
-from dflash_pipeline.models.target import load_target, resolve_layer_ids
+from dflash_pipeline.models.families import resolve_layer_ids
+from dflash_pipeline.models.target import load_target
 from dflash_pipeline.train.drafter import drafter_config
 
 

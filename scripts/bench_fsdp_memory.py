@@ -37,7 +37,7 @@ def child(shape: str, layers: int, out: Path) -> None:
     from accelerate import Accelerator
 
     from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
-    from dflash_pipeline.models.target import default_layer_ids
+    from dflash_pipeline.models.families import default_layer_ids
     from dflash_pipeline.train.parallel import Sharded
 
     H, I, heads, kv, hd, L, taps = SHAPES[shape]

@@ -61,7 +61,8 @@ def main() -> None:
     from dflash_pipeline.eval.references import ReferenceCache
     from dflash_pipeline.eval.gates import rates, summed
     from dflash_pipeline.models import llamacpp_engine as L
-    from dflash_pipeline.models.target import _gguf_source, load_target, target_folder
+    from dflash_pipeline.models.target import load_target
+    from dflash_pipeline.models.target_sources import gguf_source, target_folder
     from dflash_pipeline.runtime.stages import export_dir, recorded_stage_dir
 
     cfg = OmegaConf.merge(OmegaConf.load(a.run / ".hydra" / "config.yaml"), OmegaConf.from_dotlist(a.set))
@@ -80,7 +81,7 @@ def main() -> None:
     elif a.target == "embedded":
         if cfg.target.kind != "gguf":
             sys.exit(f"--target embedded: the run's target is not a GGUF ({cfg.target.kind}); use --target f32")
-        target_gguf = _gguf_source(cfg.target.path, cfg.target.gguf_file)
+        target_gguf = gguf_source(cfg.target.path, cfg.target.gguf_file)
     else:
         target_gguf = L.to_gguf(cfg.cache_dir, folder, out_dir, "f32")
 
@@ -181,7 +182,7 @@ def untrained(cfg, target, out_dir: Path) -> Path:
     import torch
 
     from dflash_pipeline.models.drafter import DFlashDrafter
-    from dflash_pipeline.models.target import default_layer_ids
+    from dflash_pipeline.models.families import default_layer_ids
     from dflash_pipeline.train.drafter import drafter_config
 
     m = target.model

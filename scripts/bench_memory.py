@@ -59,7 +59,7 @@ def child(shape: str, tokens: int, anchors: int, path: str, limit_gb: float, thr
     from omegaconf import OmegaConf
 
     from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
-    from dflash_pipeline.models.target import default_layer_ids
+    from dflash_pipeline.models.families import default_layer_ids
     from dflash_pipeline.train.drafter import DrafterComponent
     from dflash_pipeline.train.losses import default_gamma
 

@@ -146,7 +146,7 @@ class Bench:
     def __init__(self, args):
         from dflash_pipeline.data.shards import TeacherDataset
         from dflash_pipeline.data.splits import split_heldout
-        from dflash_pipeline.models.target import resolve_pretrained
+        from dflash_pipeline.models.target_sources import resolve_pretrained
 
         args.teacher = str(Path(args.teacher).resolve())
         self.args, self.out = args, Path(args.out).resolve()

@@ -37,7 +37,8 @@ from dflash_pipeline.conf.schema import register
 from dflash_pipeline.data.sources import load_conversations
 from dflash_pipeline.data.teacher import add_features, chat_segments
 from dflash_pipeline.models.generation import budget_batches, generate, generate_capturing
-from dflash_pipeline.models.target import load_target, resolve_layer_ids
+from dflash_pipeline.models.families import resolve_layer_ids
+from dflash_pipeline.models.target import load_target
 
 
 def main() -> None:
@@ -162,7 +163,7 @@ def vllm_side_by_side(args, cfg, target, prompts: list[list[int]], layer_ids: li
     import tempfile
 
     from dflash_pipeline.eval.exactness import IDENTICAL, NEAR_TIE, ExactnessJudge
-    from dflash_pipeline.models.target import target_folder
+    from dflash_pipeline.models.target_sources import target_folder
     from dflash_pipeline.models.vllm_engine import VLLMEngine, VLLMError, check_capture_layers
 
     log_file = Path(tempfile.gettempdir()) / "bench_teacher_vllm.log"

@@ -75,7 +75,7 @@ SCALES = {
 MASK_TOKEN = {"qwen3_8b": 151669, "tiny": 999}  # Qwen3: the first embedding row past its 151669-token tokenizer
 OPTIONAL = ("costs", "kernels", "train", "decodes", "fsdp", "dflash2")  # what --skip may leave out
 # The dflash2 section's target: the tiny family at a head_dim vLLM's attention kernels take, weights large enough
-# (initializer_range) that greedy picks are not near-ties; taps as models/target.py default_layer_ids(4, 2).
+# (initializer_range) that greedy picks are not near-ties; taps as models/families.py default_layer_ids(4, 2).
 DFLASH2_TARGET = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=64, vocab_size=1024, initializer_range=0.1)
 DFLASH2_TAPS, DFLASH2_BLOCK, DFLASH2_PROMPTS, DFLASH2_PROMPT_LEN, DFLASH2_NEW_TOKENS = [0, 3], 8, 4, 32, 48
@@ -204,12 +204,12 @@ def build_target(scale: str, device, dtype):
 
 
 def build_drafter(model, scale: str, device):
-    """The paper shape: 5 layers at the target's width, block 16, 5 taps spaced as models/target.py spaces them.
+    """The paper shape: 5 layers at the target's width, block 16, 5 taps spaced as models/families.py spaces them.
     Float32 weights (as training keeps them); cast for inference."""
     import torch
 
     from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
-    from dflash_pipeline.models.target import default_layer_ids
+    from dflash_pipeline.models.families import default_layer_ids
 
     tc = model.config
     conf = DFlashDrafterConfig(

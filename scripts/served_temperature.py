@@ -25,7 +25,8 @@ from dflash_pipeline.eval.engines import VLLMPair
 from dflash_pipeline.eval.decode import ACCEPTANCE_RULES
 from dflash_pipeline.eval.references import ReferenceCache
 from dflash_pipeline.eval.inputs import load_drafter, load_prompts
-from dflash_pipeline.models.target import load_target, target_folder
+from dflash_pipeline.models.target import load_target
+from dflash_pipeline.models.target_sources import target_folder
 from dflash_pipeline.runtime.stages import stage_dir
 
 

@@ -13,7 +13,7 @@ import argparse
 
 from dflash_pipeline.cli.entrypoints import compose_run
 from dflash_pipeline.data.shards import TeacherDataset
-from dflash_pipeline.models.target import load_tokenizer
+from dflash_pipeline.models.target_sources import load_tokenizer
 from dflash_pipeline.runtime.stages import teacher_dir
 
 

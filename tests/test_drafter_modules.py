@@ -22,7 +22,8 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dflash_pipeline.models.drafter import ATTENTION_FUNCTIONS, PackedMask, DFlashDrafter
-from dflash_pipeline.models.target import load_target, resolve_layer_ids
+from dflash_pipeline.models.families import resolve_layer_ids
+from dflash_pipeline.models.target import load_target
 from dflash_pipeline.train.drafter import drafter_config
 
 from conftest import make_config

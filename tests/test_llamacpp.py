@@ -151,7 +151,7 @@ def test_gate_catches_each_planted_mismatch_in_llamacpp(llamacpp_run, tmp_path):
     by llama-server on prompts the own loop decodes with the export as trained: the gate fails and names the key;
     the export as trained passes."""
     from dflash_pipeline.eval.decode import speculative
-    from dflash_pipeline.models.target import target_folder
+    from dflash_pipeline.models.target_sources import target_folder
 
     cfg, target, export, drafter, prompts = served_run(llamacpp_run)
     B, new = drafter.config.block_size, 32

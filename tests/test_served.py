@@ -346,7 +346,7 @@ def test_gate_catches_each_planted_mismatch_when_served(vllm_run, tmp_path):
     """The run's export with each classic mismatch planted, served by vLLM on the prompts the own loop decodes with
     the export as trained: the gate fails and names the planted key."""
     from dflash_pipeline.eval.decode import speculative
-    from dflash_pipeline.models.target import target_folder
+    from dflash_pipeline.models.target_sources import target_folder
     from dflash_pipeline.models.vllm_engine import VLLMEngine, close_engines, speculative_config
 
     cfg, target, export, drafter, prompts = served_run(vllm_run)
@@ -383,7 +383,7 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     named as the cause where its self-check finds the bug (vLLM 0.32's CPU build). A shifted MASK token or taps
     move this tiny drafter's acceptance at T = 0.1 too little for 16 decodes to tell: the greedy gate catches those
     exactly (test_gate_catches_each_planted_mismatch_when_served)."""
-    from dflash_pipeline.models.target import target_folder
+    from dflash_pipeline.models.target_sources import target_folder
 
     cfg, target, export, drafter, prompts = served_run(vllm_run)
     B, new, T, seeds = drafter.config.block_size, 32, 0.1, [0, 1, 2, 3]

@@ -15,7 +15,9 @@ from dflash_pipeline.eval.tree import DDTreeMethod, DraftTree, check_target, ver
 from dflash_pipeline.models import cache as target_cache
 from dflash_pipeline.models.drafter import DFlashDrafter
 from dflash_pipeline.models.generation import capture, generate_capturing
-from dflash_pipeline.models.target import TargetError, final_norm, load_target, tapped
+from dflash_pipeline.models.errors import TargetError
+from dflash_pipeline.models.families import final_norm, tapped
+from dflash_pipeline.models.target import load_target
 from dflash_pipeline.train.drafter import drafter_config
 
 from conftest import ROOT, Oracle, chat_prompt_ids, make_config
@@ -181,7 +183,7 @@ def test_thinking_template_arguments_reach_the_teacher_and_earlier_reasoning_is_
     think block); a template that strips earlier turns' reasoning does not strip it from the teacher's sequences:
     turn 2 is trained on turn 1's reply as the target wrote it, reasoning included, which is what it saw."""
     from dflash_pipeline.data.teacher import chat_segments, chat_with_replies
-    from dflash_pipeline.models.target import load_tokenizer
+    from dflash_pipeline.models.target_sources import load_tokenizer
 
     cfg = make_config(f"+target.chat_template_kwargs={{enable_thinking: {str(thinking).lower()}}}")
     tok = load_tokenizer(cfg.target, cfg.cache_dir)
@@ -349,7 +351,7 @@ def test_served_eval_and_gate_on_the_family(family_dirs, family, tmp_path):
 def test_tap_spacing_on_shallow_targets_picks_distinct_layers():
     """The DFlash spacing needs L >= taps + 3; a shallower target gets its taps spread over every layer instead of a
     repeated layer (which the teacher refuses)."""
-    from dflash_pipeline.models.target import default_layer_ids, resolve_layer_ids
+    from dflash_pipeline.models.families import default_layer_ids, resolve_layer_ids
 
     assert default_layer_ids(4, 2) == resolve_layer_ids(None, 2, 4) == [0, 3]
     assert default_layer_ids(3, 3) == [0, 1, 2] and default_layer_ids(2, 2) == [0, 1]

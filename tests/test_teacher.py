@@ -16,7 +16,9 @@ from dflash_pipeline.data.shards import DatasetError, TeacherDataset, dequantize
 from dflash_pipeline.data.sources import DataSourceError
 from dflash_pipeline.data.teacher import chat_segments, run_teacher
 from dflash_pipeline.models.generation import budget_batches, recapture
-from dflash_pipeline.models.target import TargetError, default_layer_ids, load_target
+from dflash_pipeline.models.errors import TargetError
+from dflash_pipeline.models.families import default_layer_ids
+from dflash_pipeline.models.target import load_target
 
 from conftest import make_config
 
@@ -464,7 +466,7 @@ def test_show_sample_renders_the_stored_turns_with_the_trained_tokens_marked(tin
     """scripts/show_sample.py, the README's template check: the sample as the tokenizer renders it, each span of
     the target's own reply tokens (the loss mask) between [[ and ]], nothing else marked."""
     from dflash_pipeline.data.shards import TeacherDataset
-    from dflash_pipeline.models.target import load_tokenizer
+    from dflash_pipeline.models.target_sources import load_tokenizer
 
     from conftest import run_command
 

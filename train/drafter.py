@@ -22,7 +22,8 @@ from dflash_pipeline.data.teacher import teacher_and_target
 from dflash_pipeline.eval.metrics import conditional_acceptance, offline_metrics
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
 from dflash_pipeline.models.generation import recapture
-from dflash_pipeline.models.target import Target, config_value, final_norm, text_config
+from dflash_pipeline.models.families import config_value, final_norm, text_config
+from dflash_pipeline.models.target import Target
 from dflash_pipeline.train.component import ComponentHooks, StageInputs
 from dflash_pipeline.train.errors import TrainError
 from dflash_pipeline.train.losses import (block_loss, decay_weights, default_gamma, dpace_weights, effective_valid,
