@@ -102,13 +102,24 @@ def check_passes(judge: ExactnessJudge, passes: Passes, strict: bool, near_ties:
             passes.verified_upto = v.position
 
 
+@dataclass
+class OnlineRun:
+    """One method's online passes on one eval set: the figures (as eval_results.json holds them), and per prompt the
+    first passes the served gate compares with an engine's."""
+
+    figures: dict
+    ar_outputs: list[list[int]]  # the first autoregressive reply: the exactness reference
+    spec_rounds: list[list[int]]  # the first speculative run's accepted drafts per round (every round)
+    spec_outputs: list[list[int]]  # that run's output
+
+
 def run_online(target: Target, method, prompts: list[dict], *, label: str, block_size: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, repeats: int = 1, strict: bool = True,
                costs: EvalContext | None = None, judge: ExactnessJudge | None = None,
-               baselines: dict[str, torch.nn.Module] | None = None, acceptance: str = "sampled") -> dict:
+               baselines: dict[str, torch.nn.Module] | None = None, acceptance: str = "sampled") -> OnlineRun:
     """Speculative vs autoregressive decoding of `prompts` (A B B A per prompt per repeat, after one warm-up).
 
-    Returns the online metrics of the eval set and, under "ar_outputs", the first autoregressive reply per prompt.
+    Returns the online metrics of the eval set and the first passes of each prompt (OnlineRun).
     With `costs` (the measured verify-cost curve), also the speedup that curve predicts for the rounds run.
     Greedy outputs are classified by `judge` (eval/exactness.py; default: one for the target's dtype with the
     default tolerance); acceptance counts every round, and beside it (`*_verified_prefix`) the rounds before a
@@ -135,10 +146,9 @@ def run_online(target: Target, method, prompts: list[dict], *, label: str, block
     log.info("%s %s: tau_online %.3f a_k %s speedup %.2fx (AR %.1f tok/s, spec %.1f tok/s), exact %s", method.name,
              label, res["tau_online"], [round(x, 3) for x in res["a_k_online"]], res["speedup"],
              res["tokens_per_s_ar"], res["tokens_per_s_spec"], res["exact"])
-    res["ar_outputs"] = [r.ar[0][0] for r in runs if r.repeat == 0]
-    res["spec_rounds"] = [r.spec[0].accepted for r in runs if r.repeat == 0]  # every round, near-ties or not
-    res["spec_outputs"] = [r.spec[0].tokens for r in runs if r.repeat == 0]
-    return res
+    first = [r for r in runs if r.repeat == 0]
+    return OnlineRun(res, [r.ar[0][0] for r in first], [r.spec[0].accepted for r in first],
+                     [r.spec[0].tokens for r in first])
 
 
 def online_metrics(runs: list[Passes], block_size: int, target_dtype: str, costs: EvalContext | None) -> dict:

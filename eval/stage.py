@@ -245,10 +245,10 @@ def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[i
     ks = sorted(set(e.recall_k))
     result = SetResult(on_replies, here.report())
     for m, method in s.methods.items():
-        online = run_online(s.target, method, timed, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
-                            temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats, strict=e.strict_exact,
-                            costs=here, judge=s.judge, baselines=s.baselines, acceptance=str(e.acceptance_rule))
-        first = (online.pop("ar_outputs"), online.pop("spec_rounds"), online.pop("spec_outputs"))
+        run = run_online(s.target, method, timed, label=label, block_size=B, max_new_tokens=e.max_new_tokens,
+                         temperature=e.temperature, seed=e.seed, repeats=e.timing_repeats, strict=e.strict_exact,
+                         costs=here, judge=s.judge, baselines=s.baselines, acceptance=str(e.acceptance_rule))
+        online = run.figures
         own = on_replies["methods"][m]  # the path this method proposes, teacher-forced on the replies
         figures = {
             **online,
@@ -264,5 +264,7 @@ def evaluate_set(s: Setup, label: str, prompts: list[dict], replies: list[list[i
             "prompt_ids": [p["id"] for p in timed],
         }
         fastest = min(online.get("ms_per_token_ar_by_dtype", {}).values(), default=online["ms_per_token_ar"])
-        result.methods[m] = MethodOnSet(figures, OwnSet(timed, *first, online["a_k_online"], own["a_k"], fastest))
+        first = OwnSet(timed, run.ar_outputs, run.spec_rounds, run.spec_outputs, online["a_k_online"], own["a_k"],
+                       fastest)
+        result.methods[m] = MethodOnSet(figures, first)
     return result

@@ -149,8 +149,8 @@ def test_mismatch_is_detected_loudly(target, prompt_ids, random_drafter, monkeyp
     with pytest.raises(ExactnessError, match=r"prompt p0: speculative decoding differs .* output position \d+"):
         run_online(target, method, batch, label="t", block_size=4, max_new_tokens=12)
     res = run_online(target, method, batch, label="t", block_size=4, max_new_tokens=12, strict=False)
-    assert res["exact"] is False
-    assert {m["run"] for m in res["mismatches"]} == {"speculative decoding", "a repeated speculative run"}
+    assert res.figures["exact"] is False
+    assert {m["run"] for m in res.figures["mismatches"]} == {"speculative decoding", "a repeated speculative run"}
 
 
 @pytest.mark.parametrize("rule", ["sampled", "greedy_draft"])
@@ -162,10 +162,10 @@ def test_run_online_sampling(target, prompt_ids, random_drafter, rule):
     go = lambda: run_online(target, method, batch, label="s", block_size=3, max_new_tokens=8,  # noqa: E731
                             temperature=0.8, seed=1, acceptance=rule)
     res = go()
-    assert res["exact"] is None and res["mismatches"] == []
-    assert len(res["a_k_online"]) == 2 and sum(res["accepted_hist"]) == res["rounds"] > 0
+    assert res.figures["exact"] is None and res.figures["mismatches"] == []
+    assert len(res.figures["a_k_online"]) == 2 and sum(res.figures["accepted_hist"]) == res.figures["rounds"] > 0
     again = go()
-    assert again["ar_outputs"] == res["ar_outputs"] and again["accepted_hist"] == res["accepted_hist"]
+    assert again.ar_outputs == res.ar_outputs and again.figures["accepted_hist"] == res.figures["accepted_hist"]
 
 
 # -- sampling preserves the target's distribution --------------------------------------------------------------

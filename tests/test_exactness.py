@@ -98,7 +98,7 @@ def test_a_planted_wrong_acceptance_fails_in_bf16(bf16_target, prompt, monkeypat
     batch = [{"id": "p0", "prompt_ids": prompt}]
     judge = ExactnessJudge(bf16_target.model, 0.5)
     honest = run_online(bf16_target, method, batch, label="t", block_size=4, max_new_tokens=12, judge=judge,
-                        baselines=baseline_models(bf16_target, ["float32", "bfloat16"], judge))
+                        baselines=baseline_models(bf16_target, ["float32", "bfloat16"], judge)).figures
     assert honest["exact"] is True and honest["target_dtype"] == "bfloat16"
     ms = honest["ms_per_token_ar_by_dtype"]  # the baseline: the faster of float32 and bf16 plain decoding
     assert set(ms) == {"float32", "bfloat16"} and honest["fastest_ar_dtype"] == min(ms, key=ms.get)
@@ -129,11 +129,11 @@ def test_acceptance_counts_every_round_and_the_rounds_before_a_near_tie_beside(t
     method = decode.ChainMethod(drafter.eval())
     batch = [{"id": "p0", "prompt_ids": prompt}]
     exact = run_online(target, method, batch, label="t", block_size=drafter.config.block_size, max_new_tokens=24)
-    every = exact["spec_rounds"][0]
-    assert exact["identical"] and len(every) > 4
-    assert exact["rounds"] == exact["rounds_verified_prefix"] == len(every)
+    every = exact.spec_rounds[0]
+    assert exact.figures["identical"] and len(every) > 4
+    assert exact.figures["rounds"] == exact.figures["rounds_verified_prefix"] == len(every)
     tau = (sum(every) + len(every)) / len(every)
-    assert exact["tau_online"] == exact["tau_online_verified_prefix"] == pytest.approx(tau)
+    assert exact.figures["tau_online"] == exact.figures["tau_online_verified_prefix"] == pytest.approx(tau)
 
     class ForcedNearTie:  # the first speculative run parts from the reference at output position 7
         def check(self, prompt_id, prompt_ids, reference, other, what, strict=True):
@@ -143,11 +143,11 @@ def test_acceptance_counts_every_round_and_the_rounds_before_a_near_tie_beside(t
 
     tied = run_online(target, method, batch, label="t", block_size=drafter.config.block_size, max_new_tokens=24,
                       judge=ForcedNearTie())
-    every, before = tied["spec_rounds"][0], rounds_before(tied["spec_rounds"][0], 7)
-    assert tied["near_tie_outputs"] == 1 and tied["exact"] and not tied["identical"]
-    assert tied["rounds"] == len(every) > tied["rounds_verified_prefix"] == len(before) > 0
-    assert tied["tau_online"] == pytest.approx((sum(every) + len(every)) / len(every))
-    assert tied["tau_online_verified_prefix"] == pytest.approx((sum(before) + len(before)) / len(before))
+    every, before = tied.spec_rounds[0], rounds_before(tied.spec_rounds[0], 7)
+    assert tied.figures["near_tie_outputs"] == 1 and tied.figures["exact"] and not tied.figures["identical"]
+    assert tied.figures["rounds"] == len(every) > tied.figures["rounds_verified_prefix"] == len(before) > 0
+    assert tied.figures["tau_online"] == pytest.approx((sum(every) + len(every)) / len(every))
+    assert tied.figures["tau_online_verified_prefix"] == pytest.approx((sum(before) + len(before)) / len(before))
 
 
 def test_dtype_choice_is_recorded_and_auto_is_measured():
