@@ -158,3 +158,15 @@ def test_every_module_asks_runtime_stages_for_stage_folders():
 def test_the_path_check_sees_a_rule_of_its_own():
     assert len(stage_path_rules('a = cfg.trainer.data_dir or run / cfg.teacher.out_dir\nb = out / "export"\n'
                                 'c = own.get("drafter_dir")')) == 4
+
+
+def test_the_house_drawn_in_the_docs_is_the_one_the_imports_give():
+    graph, edges = import_graph(), {}
+    for module, targets in graph.items():
+        for t in targets:
+            if layer(t) != layer(module):
+                edges.setdefault(layer(module), set()).add(layer(t))
+    order = LAYERS[::-1]
+    drawn = [f"    {p} -> {', '.join(sorted(edges[p], key=order.index))}" for p in order if edges.get(p)]
+    text = (ROOT / "docs" / "README.md").read_text()
+    assert "\n".join(drawn) in text, "\n".join(drawn)
