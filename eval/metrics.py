@@ -152,10 +152,34 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
     (`tau_offline_subset`: the prompts the online loop decodes, for a gap measured on the same prompts).
     """
     methods = methods or {}
-    device = drafter.norm.weight.device
     to_column = drafter.target_to_column()
     columns = drafter.config.vocab_size if drafter.draft_to_target is None else len(drafter.draft_to_target)
     kmax = min(max([*ks, *(m.top_k for m in methods.values())]), columns)
+    top, target_labels, valid, owner, paths, scorings = _teacher_forced_blocks(drafter, items, block_size, kmax,
+                                                                               chunk, progress, methods)
+    label = to_column[target_labels]
+    a, counts = conditional_acceptance(top[..., 0] == label, valid)
+    rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
+    oracle_ks = sorted({*ks, *(m.top_k for m in methods.values())})
+    oracle = oracle_acceptance(top, label, valid, [k for k in oracle_ks if k <= kmax])
+    first = owner < (len(items) if subset is None else subset)
+    per_method = {name: _path_metrics(chosen, target_labels, valid, owner, len(items), first,
+                                      scorings[name] / max(1, top.shape[0]))
+                  for name, chosen in paths.items()}
+    return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
+            "tau_offline_ci95": bootstrap_simulated_tau(top[..., 0] == label, valid, owner, len(items)),
+            "recall": {str(k): v for k, v in rec.items()},
+            "oracle_tau": {str(k): simulated_tau(v) for k, v in oracle.items()},
+            "methods": per_method, "blocks": int(top.shape[0]), "sequences": len(items)}
+
+
+def _teacher_forced_blocks(drafter: DFlashDrafter, items: list[dict], block_size: int, kmax: int, chunk: int,
+                           progress: Progress | None, methods: dict) -> tuple:
+    """One drafter forward per chunk of blocks over every anchor of `items`, kept as what the metrics read: the
+    top-kmax draft columns (N, B-1, kmax), the target labels and their validity (N, B-1), the item owning each block
+    (N,), each method's chosen path (N, B-1) and its scorings summed over blocks. The methods choose from the same
+    outputs as the argmax path, so their figures differ by the choice alone."""
+    device = drafter.norm.weight.device
     tops, labels, valids, owners = [], [], [], []
     paths: dict[str, list[torch.Tensor]] = {name: [] for name in methods}
     scorings: dict[str, int] = {name: 0 for name in methods}
@@ -176,28 +200,20 @@ def offline_metrics(drafter: DFlashDrafter, items: list[dict], block_size: int, 
         owners.append(torch.full((int(keep.sum()),), len(owners), dtype=torch.long))
         if progress is not None:
             progress.update()
-    top, target_labels, valid = torch.cat(tops), torch.cat(labels), torch.cat(valids)
-    owner = torch.cat(owners).to(device)
-    label = to_column[target_labels]
-    a, counts = conditional_acceptance(top[..., 0] == label, valid)
-    rec = recall_at_k(top, label, valid, [k for k in ks if k <= kmax])
-    oracle_ks = sorted({*ks, *(m.top_k for m in methods.values())})
-    oracle = oracle_acceptance(top, label, valid, [k for k in oracle_ks if k <= kmax])
-    first = owner < (len(items) if subset is None else subset)
-    per_method = {}
-    for name, chunks in paths.items():
-        chosen = torch.cat(chunks)
-        m_a, _ = conditional_acceptance(chosen == target_labels, valid)
-        verified = (chosen != NOT_VERIFIED).long().cumprod(-1).sum(-1)  # drafts before the first NOT_VERIFIED
-        per_method[name] = {"a_k": m_a, "tau_offline": simulated_tau(m_a),
-                            "tau_offline_ci95": bootstrap_simulated_tau(chosen == target_labels, valid, owner,
-                                                                        len(items)),
-                            "tau_offline_subset": simulated_tau(conditional_acceptance(
-                                (chosen == target_labels)[first], valid[first])[0]),
-                            "scorings_per_block": scorings[name] / max(1, top.shape[0]),
-                            "verified_hist": torch.bincount(verified, minlength=chosen.shape[1] + 1).tolist()}
-    return {"a_k": a, "blocks_at_k": counts, "tau_offline": simulated_tau(a),
-            "tau_offline_ci95": bootstrap_simulated_tau(top[..., 0] == label, valid, owner, len(items)),
-            "recall": {str(k): v for k, v in rec.items()},
-            "oracle_tau": {str(k): simulated_tau(v) for k, v in oracle.items()},
-            "methods": per_method, "blocks": int(top.shape[0]), "sequences": len(items)}
+    return (torch.cat(tops), torch.cat(labels), torch.cat(valids), torch.cat(owners).to(device),
+            {name: torch.cat(chunks) for name, chunks in paths.items()}, scorings)
+
+
+def _path_metrics(chosen: torch.Tensor, target_labels: torch.Tensor, valid: torch.Tensor, owner: torch.Tensor,
+                  num_items: int, first: torch.Tensor, scorings_per_block: float) -> dict:
+    """One method's teacher-forced figures from its chosen path (N, B-1; NOT_VERIFIED past its verify length): a_k;
+    tau_offline, its 95% interval over sequences and its value on the `first` items alone; and the histogram of the
+    drafts it would verify per block."""
+    m_a, _ = conditional_acceptance(chosen == target_labels, valid)
+    verified = (chosen != NOT_VERIFIED).long().cumprod(-1).sum(-1)  # drafts before the first NOT_VERIFIED
+    return {"a_k": m_a, "tau_offline": simulated_tau(m_a),
+            "tau_offline_ci95": bootstrap_simulated_tau(chosen == target_labels, valid, owner, num_items),
+            "tau_offline_subset": simulated_tau(conditional_acceptance(
+                (chosen == target_labels)[first], valid[first])[0]),
+            "scorings_per_block": scorings_per_block,
+            "verified_hist": torch.bincount(verified, minlength=chosen.shape[1] + 1).tolist()}

@@ -77,33 +77,19 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
     `context_ids`, the drafter's block forward in the same unit, and for each N of tree_sizes the verification of
     an N-node tree (eval/tree.py verify_tree: ancestor mask, greedy walk, cache compaction). Repeats interleave every
     size (one warm-up pass first); each ratio is the median over passes of a time over the same pass's 1-token
-    step, so a spell of a slower machine cancels out. Verification is timed as the eval loop runs it (hidden states out,
-    cache rolled back after: a crop, or a recurrent target's rollback); ar_step_cost is a plain decoding step as autoregressive() runs it (no hidden states) in
-    the same unit, the baseline a speedup is measured against."""
+    step, so a spell of a slower machine cancels out. Verification is timed as the eval loop runs it (hidden states
+    out, cache rolled back after: a crop, or a recurrent target's rollback); ar_step_cost is a plain decoding step as
+    autoregressive() runs it (no hidden states) in the same unit, the baseline a speedup is measured against."""
 
     model = target.model
     device = next(model.parameters()).device
     layer_ids = list(drafter.config.target_layer_ids)
-    cache = target_cache.new_cache(model)
     L = len(context_ids)
-    _, feats, _ = target_forward(model, torch.tensor([context_ids], device=device), torch.arange(L, device=device)[None],
-                              cache, layer_ids, last_only=True)
-    rollback = target_cache.Rollback(model, rollback or getattr(target, "rollback", "record"))
-    rollback.start(cache, block_size)
-    at_context = target_cache.snapshot(cache)
-    chain = ChainMethod(drafter)
-    chain.start()
+    cache, feats, rollback, at_context = _prefilled_target(target, context_ids, layer_ids, block_size, rollback)
     anchor = context_ids[-1]
-    chain.propose(RoundState(feats[None, :-1], torch.arange(L - 1, device=device), anchor, L - 1, [anchor]),
-                  block_size)  # the drafter's context prefill, not timed
+    chain = _prefilled_chain(drafter, feats, anchor, L, block_size, device)
     times: dict[int, list[float]] = {n: [] for n in range(1, block_size + 1)}
-    trees = {}
-    for N in tree_sizes if not target_cache.is_recurrent(model) else ():  # no trees on recurrent targets  # 8 children per node, breadth first: the shape of a wide draft tree
-        parents = torch.arange(N) // 8 - 1
-        depths = torch.ones(N, dtype=torch.long)
-        for i in range(N):
-            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
-        trees[N] = DraftTree(torch.full((N,), anchor), parents, depths)
+    trees = _wide_trees(tree_sizes if not target_cache.is_recurrent(model) else (), anchor)  # none on recurrent ones
     tree_times: dict[int, list[float]] = {N: [] for N in trees}
     draft: list[float] = []
     ar_step: list[float] = []
@@ -138,6 +124,50 @@ def measure_costs(target, drafter, context_ids: list[int], block_size: int, repe
         one = RoundState(feats[None, -1:], torch.tensor([L - 1 + r], device=device), anchor, L + r, [anchor])
         # one committed token enters the drafter's context, as in a round (no target cache to crop)
         timed(draft, r, lambda: chain.propose(one, block_size), crop=False)
+    return _cost_ratios(times, draft, ar_step, tree_times, L, repeats)
+
+
+def _prefilled_target(target, context_ids: list[int], layer_ids: list[int], block_size: int,
+                      rollback: str | None) -> tuple:
+    """The target's cache after a prefill of `context_ids`, with the tapped hidden states (feats), the rollback that
+    takes a round back (its recording started) and a snapshot to restore the context from after each timing."""
+    model = target.model
+    device = next(model.parameters()).device
+    cache = target_cache.new_cache(model)
+    L = len(context_ids)
+    _, feats, _ = target_forward(model, torch.tensor([context_ids], device=device),
+                                 torch.arange(L, device=device)[None], cache, layer_ids, last_only=True)
+    rollback = target_cache.Rollback(model, rollback or getattr(target, "rollback", "record"))
+    rollback.start(cache, block_size)
+    return cache, feats, rollback, target_cache.snapshot(cache)
+
+
+def _prefilled_chain(drafter, feats: torch.Tensor, anchor: int, L: int, block_size: int, device) -> ChainMethod:
+    """The drafter's chain method with the context's features prefilled (not timed): a timed draft then adds one
+    committed token, as a round does."""
+    chain = ChainMethod(drafter)
+    chain.start()
+    chain.propose(RoundState(feats[None, :-1], torch.arange(L - 1, device=device), anchor, L - 1, [anchor]),
+                  block_size)
+    return chain
+
+
+def _wide_trees(tree_sizes, anchor: int) -> dict[int, DraftTree]:
+    """An N-node tree per size to time: 8 children per node, breadth first (the shape of a wide draft tree), every
+    node the anchor token (only the time is kept)."""
+    trees = {}
+    for N in tree_sizes:
+        parents = torch.arange(N) // 8 - 1
+        depths = torch.ones(N, dtype=torch.long)
+        for i in range(N):
+            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+        trees[N] = DraftTree(torch.full((N,), anchor), parents, depths)
+    return trees
+
+
+def _cost_ratios(times: dict[int, list[float]], draft: list[float], ar_step: list[float],
+                 tree_times: dict[int, list[float]], L: int, repeats: int) -> dict:
+    """measure_costs' result from the kept passes' times: each a median ratio to the 1-token step (times[1])."""
     step = times[1]
 
     def ratio(ts: list[float]) -> float:  # per pass, against that pass's 1-token step: a slow spell cancels out

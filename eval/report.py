@@ -59,83 +59,122 @@ def _ci(interval) -> str:
 
 
 def markdown(results: dict) -> str:
-    B = results["block_size"]
+    """results.md: the method table, the target's numerics, the cost curve and the chosen policy settings, the
+    held-out teacher figures, a_k per position (with the served section after it) and the methods not run."""
+    lines = _method_table(results)
+    lines += _numerics_lines(results.get("numerics"))
+    lines += _cost_lines(results.get("costs"))
+    for m, chosen in (results.get("policies") or {}).items():
+        lines.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
+    held = results["offline"].get("teacher_heldout")
+    lines += _heldout_lines(held, results.get("offline_note", "no teacher data"))
+    lines += _per_position_lines(results, held)
+    if results.get("not_run"):
+        lines += ["", "Not run on this target:", ""] + [f"- {m}: {why}" for m, why in results["not_run"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _method_table(results: dict) -> list[str]:
+    """The title, what was run where, and one table row per method and eval set."""
     lines = [
-        f"# Evaluation: {results['target']}, block {B} (trained {results['trained_block_size']}), "
+        f"# Evaluation: {results['target']}, block {results['block_size']} (trained {results['trained_block_size']}), "
         f"temperature {results['temperature']}",
         "",
         f"Drafter: `{results['drafter_dir']}`; up to {results['max_new_tokens']} new tokens per prompt; timing on "
         f"{results['timing']['device']} ({results['timing']['num_threads']} threads): {results['timing']['protocol']}.",
         "",
-        "| method | dataset | prompts off / on | tokens | tau offline [95% CI] | tau online [95% CI over prompts] | oracle tau | a_1 off / on | fwd/token | "
+        "| method | dataset | prompts off / on | tokens | tau offline [95% CI] | tau online [95% CI over prompts] | "
+        "oracle tau | a_1 off / on | fwd/token | "
         "drafts verified/round | draft ms/round | select ms/round (share) | scorings/round | verify ms/round | "
         "AR tok/s | spec tok/s | speedup total / decode (predicted) | round cost in AR steps: decode / predicted | "
         "exact (near-ties / outputs) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, per in results["methods"].items():
-        for ds, r in per.items():
-            lines.append(
-                f"| {m} | {ds} | {r.get('offline_prompts', r['prompts'])} / {r['prompts']} | {r['output_tokens']} | "
-                f"{_f(r['tau_offline'])}{_ci(r.get('tau_offline_ci95'))} | "
-                f"{_f(r['tau_online'])}{_ci(r.get('tau_online_ci95'))}{_prefix(r)} | {_f(r.get('oracle_tau'))} | "
-                f"{_f(r['a_k_offline'][0])} / "
-                f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | "
-                f"{_f(r.get('verified_per_round'), 2)} | {_f(r['draft_ms_per_round'], 2)} | "
-                f"{_f(r['select_ms_per_round'], 2)} ({100 * r['select_fraction']:.1f}%) | "
-                f"{_f(r['scorings_per_round'], 0)} | {_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
-                f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x / {_f(r.get('speedup_decode'), 2)}x "
-                f"({_f(r.get('predicted_speedup'), 2)}x)"
-                + (f"; vs fastest AR ({r['fastest_ar_dtype']}) {_f(r['speedup_vs_fastest_ar'], 2)}x"
-                   if len(r.get("ms_per_token_ar_by_dtype", {})) > 1 else "")
-                + f" | {_f(r.get('round_cost_in_decode'), 2)} / "
-                f"{_f(r.get('round_cost_predicted'), 2)} | {r['exact']} ({r.get('near_tie_outputs', 0)} / "
-                f"{r.get('outputs_compared', '-')}) |")
-    num = results.get("numerics")
-    if num:
-        machine = num.get("machine") or {}
-        lines += ["", f"Target numerics: {num['dtype']} (asked: {num.get('requested')}) on {machine.get('cpu')}, "
-                  f"flags {', '.join(machine.get('cpu_flags', [])) or 'none listed'}"
-                  + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
-                  + (f"; near-tie tolerance {num['near_tie_tolerance']} nats (float32 log-prob gap at the first "
-                     "divergence): tau online counts every round; a near-tie output's rounds before the "
-                     "divergence alone give the figure after 'before near-ties'"
-                     if num.get("near_tie_tolerance") is not None else "; every output must be identical")
-                  + (f". Teacher data made with a {num['teacher_dtype']} target: "
-                     + ("the same numerics." if num["same_as_teacher"] else "OTHER numerics than this evaluation.")
-                     if "teacher_dtype" in num else ".")]
-    costs = results.get("costs")
-    if costs:
-        curve = ", ".join(f"{n}: {c:.2f}" for n, c in enumerate(costs["verify_cost"], 1))
-        lines += ["", f"Verify cost c(n) / c(1) on this target, measured at the start of this run at "
-                  f"{costs.get('context_tokens', '?')} tokens of context: {curve}; the drafter's block forward "
-                  f"{costs['draft_cost']:.2f}; a plain autoregressive step {costs.get('ar_cost', 1.0):.2f}; one target "
-                  f"step {costs['step_ms']:.1f} ms. Each eval set's prediction uses a curve measured again just before "
-                  "its timing, at its median decode context (prompt + half the reply): predicted speedup = tokens x "
-                  "autoregressive step / sum over rounds of (c(drafts verified + 1) + draft cost), the decode without "
-                  "prefill, so it compares with the decode speedup. Round cost in AR steps: a round's draft + verify "
-                  "time inside the timed decodes over the autoregressive runs' step (decode), and as the curve "
-                  "predicts it."]
-        for label, c in (costs.get("per_set") or {}).items():
-            lines.append(f"- {label}: at {c['context_tokens']} tokens, c(n) " +
-                         ", ".join(f"{x:.2f}" for x in c["verify_cost"]) +
-                         f"; draft {c['draft_cost']:.2f}; autoregressive step {c['ar_cost']:.2f}")
-        if costs.get("tree_cost"):
-            trees = ", ".join(f"{n} nodes: {c:.2f}" for n, c in costs["tree_cost"].items())
-            lines += ["", f"Tree verification (one forward over anchor + N nodes with the ancestor mask, greedy walk, "
-                      f"KV compaction) / a 1-token step: {trees}. For tree methods, drafts verified/round are the "
-                      "tree's nodes and select ms/round is the tree's build time (after the drafter's forward)."]
-    for m, chosen in (results.get("policies") or {}).items():
-        lines.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
-    held = results["offline"].get("teacher_heldout")
-    lines += ["", "## Offline (teacher-forced) on the held-out teacher sequences", ""]
+        lines += [_method_row(m, ds, r) for ds, r in per.items()]
+    return lines
+
+
+def _method_row(m: str, ds: str, r: dict) -> str:
+    """One method on one eval set: acceptance offline and online, the round's costs, speed and exactness."""
+    return (
+        f"| {m} | {ds} | {r.get('offline_prompts', r['prompts'])} / {r['prompts']} | {r['output_tokens']} | "
+        f"{_f(r['tau_offline'])}{_ci(r.get('tau_offline_ci95'))} | "
+        f"{_f(r['tau_online'])}{_ci(r.get('tau_online_ci95'))}{_prefix(r)} | {_f(r.get('oracle_tau'))} | "
+        f"{_f(r['a_k_offline'][0])} / "
+        f"{_f(r['a_k_online'][0])} | {_f(r['target_forwards_per_token'])} | "
+        f"{_f(r.get('verified_per_round'), 2)} | {_f(r['draft_ms_per_round'], 2)} | "
+        f"{_f(r['select_ms_per_round'], 2)} ({100 * r['select_fraction']:.1f}%) | "
+        f"{_f(r['scorings_per_round'], 0)} | {_f(r['verify_ms_per_round'], 2)} | {_f(r['tokens_per_s_ar'], 1)} | "
+        f"{_f(r['tokens_per_s_spec'], 1)} | {_f(r['speedup'], 2)}x / {_f(r.get('speedup_decode'), 2)}x "
+        f"({_f(r.get('predicted_speedup'), 2)}x)"
+        + (f"; vs fastest AR ({r['fastest_ar_dtype']}) {_f(r['speedup_vs_fastest_ar'], 2)}x"
+           if len(r.get("ms_per_token_ar_by_dtype", {})) > 1 else "")
+        + f" | {_f(r.get('round_cost_in_decode'), 2)} / "
+        f"{_f(r.get('round_cost_predicted'), 2)} | {r['exact']} ({r.get('near_tie_outputs', 0)} / "
+        f"{r.get('outputs_compared', '-')}) |")
+
+
+def _numerics_lines(num: dict | None) -> list[str]:
+    """The target's dtype and machine, what counts as exact (near-tie tolerance), and whether the teacher data was
+    made with the same numerics: the context an exactness or acceptance figure is read in."""
+    if not num:
+        return []
+    machine = num.get("machine") or {}
+    return ["", f"Target numerics: {num['dtype']} (asked: {num.get('requested')}) on {machine.get('cpu')}, "
+            f"flags {', '.join(machine.get('cpu_flags', [])) or 'none listed'}"
+            + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
+            + (f"; near-tie tolerance {num['near_tie_tolerance']} nats (float32 log-prob gap at the first "
+               "divergence): tau online counts every round; a near-tie output's rounds before the "
+               "divergence alone give the figure after 'before near-ties'"
+               if num.get("near_tie_tolerance") is not None else "; every output must be identical")
+            + (f". Teacher data made with a {num['teacher_dtype']} target: "
+               + ("the same numerics." if num["same_as_teacher"] else "OTHER numerics than this evaluation.")
+               if "teacher_dtype" in num else ".")]
+
+
+def _cost_lines(costs: dict | None) -> list[str]:
+    """The verify-cost curve the predicted speedups rest on: the run's, each eval set's, and the tree verification
+    costs, with how a prediction and a round cost are computed from them."""
+    if not costs:
+        return []
+    curve = ", ".join(f"{n}: {c:.2f}" for n, c in enumerate(costs["verify_cost"], 1))
+    lines = ["", f"Verify cost c(n) / c(1) on this target, measured at the start of this run at "
+             f"{costs.get('context_tokens', '?')} tokens of context: {curve}; the drafter's block forward "
+             f"{costs['draft_cost']:.2f}; a plain autoregressive step {costs.get('ar_cost', 1.0):.2f}; one target "
+             f"step {costs['step_ms']:.1f} ms. Each eval set's prediction uses a curve measured again just before "
+             "its timing, at its median decode context (prompt + half the reply): predicted speedup = tokens x "
+             "autoregressive step / sum over rounds of (c(drafts verified + 1) + draft cost), the decode without "
+             "prefill, so it compares with the decode speedup. Round cost in AR steps: a round's draft + verify "
+             "time inside the timed decodes over the autoregressive runs' step (decode), and as the curve "
+             "predicts it."]
+    for label, c in (costs.get("per_set") or {}).items():
+        lines.append(f"- {label}: at {c['context_tokens']} tokens, c(n) " +
+                     ", ".join(f"{x:.2f}" for x in c["verify_cost"]) +
+                     f"; draft {c['draft_cost']:.2f}; autoregressive step {c['ar_cost']:.2f}")
+    if costs.get("tree_cost"):
+        trees = ", ".join(f"{n} nodes: {c:.2f}" for n, c in costs["tree_cost"].items())
+        lines += ["", f"Tree verification (one forward over anchor + N nodes with the ancestor mask, greedy walk, "
+                  f"KV compaction) / a 1-token step: {trees}. For tree methods, drafts verified/round are the "
+                  "tree's nodes and select ms/round is the tree's build time (after the drafter's forward)."]
+    return lines
+
+
+def _heldout_lines(held: dict | None, note: str) -> list[str]:
+    """The drafter's teacher-forced figures on the held-out teacher sequences, or why there are none."""
+    lines = ["", "## Offline (teacher-forced) on the held-out teacher sequences", ""]
     if held:
-        lines += [f"{held['sequences']} sequences, {held['blocks']} blocks: tau_offline {_f(held['tau_offline'])}"
-                  f"{_ci(held.get('tau_offline_ci95'))}.", ""]
-    else:
-        lines += [f"Not measured: {results.get('offline_note', 'no teacher data')}.", ""]
+        return lines + [f"{held['sequences']} sequences, {held['blocks']} blocks: tau_offline "
+                        f"{_f(held['tau_offline'])}{_ci(held.get('tau_offline_ci95'))}.", ""]
+    return lines + [f"Not measured: {note}.", ""]
+
+
+def _per_position_lines(results: dict, held: dict | None) -> list[str]:
+    """a_k (and the held-out Recall@K) per draft position k, then the served section: served_markdown adds its
+    sets' rows to this table (through row) and returns its own section, which follows the table."""
+    B = results["block_size"]
     positions = " | ".join(str(k) for k in range(1, B))
-    lines += ["## Per position k", "", f"| series | {positions} |", "|---|" + "---|" * (B - 1)]
+    lines = ["## Per position k", "", f"| series | {positions} |", "|---|" + "---|" * (B - 1)]
 
     def row(name, values):
         lines.append(f"| {name} | " + " | ".join(_f(v) for v in values) + " |")
@@ -148,10 +187,8 @@ def markdown(results: dict) -> str:
         for ds, r in per.items():
             row(f"{m} {ds} a_k offline", r["a_k_offline"])
             row(f"{m} {ds} a_k online", r["a_k_online"])
-    lines += served_markdown(results.get("served"), row)
-    if results.get("not_run"):
-        lines += ["", "Not run on this target:", ""] + [f"- {m}: {why}" for m, why in results["not_run"].items()]
-    return "\n".join(lines) + "\n"
+    served = served_markdown(results.get("served"), row)  # after its rows were added to the table
+    return lines + served
 
 
 def _prefix(r: dict) -> str:
