@@ -21,6 +21,8 @@ class EnginePair:
     name = "engine"
     plain = spec = None
     batches = True  # serves several requests at once (vLLM); llama.cpp's one slot does not
+    budgeted = False  # drafts at most the tokens still to generate - 1 per round (llama.cpp; gates.own_counts)
+    torch_kernels = True  # runs the target on torch's kernels (vLLM's CPU build): float32 counters match exactly
 
     def _start(self, start_plain, start_spec, wait: bool = True) -> None:
         """Both engines started side by side (each factory returns one started with wait=False), then waited for;
@@ -37,6 +39,10 @@ class EnginePair:
 
     def close(self) -> None:
         close_engines(self.plain, getattr(self, "spec", None))
+
+    def files(self) -> dict | None:
+        """The files this pair serves that the run converted for it (recorded in the results), if any."""
+        return None
 
     def run_sampled(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float,
                     seeds: list[int], batch: int, label: str = "") -> dict:
@@ -123,6 +129,8 @@ class LlamaCppPair(EnginePair):
 
     name = "llama.cpp"
     batches = False
+    budgeted = True
+    torch_kernels = False
 
     def __init__(self, cache_dir, target_dir: Path, drafter_dir: Path, block_size: int, max_model_len: int,
                  threads: int, log_file: Path, outtype: str = "f32", plain: bool = True):
@@ -135,3 +143,6 @@ class LlamaCppPair(EnginePair):
         server = llamacpp_engine.LlamaServer
         self._start(lambda: server(cache_dir, self.target_gguf, wait=False, **common) if plain else None,
                     lambda: server(cache_dir, self.target_gguf, self.drafter_gguf, wait=False, **common))
+
+    def files(self) -> dict:
+        return {"target": str(self.target_gguf), "drafter": str(self.drafter_gguf)}

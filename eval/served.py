@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 
 RULE_OF = {"greedy": "greedy_draft", "probabilistic": "sampled"}  # eval.served.draft_sample_method -> own rule
+ENGINES = {"vllm": VLLMPair, "llamacpp": LlamaCppPair}  # eval.served.engine -> its pair
 
 
 def own_sampled(target, drafter, prompts: list[list[int]], block_size: int, max_new_tokens: int,
@@ -141,32 +142,16 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     exactness, speed, and the parity gate's verdict per set (greedy: counters equal in float32 in vLLM, within
     eval.served.tolerance in llama.cpp, whose kernels round differently from torch's even in float32; temperature
     > 0: the statistical gate over seeds)."""
-    llamacpp = str(s.served.engine) == "llamacpp"  # eval/stage.py check_llamacpp refused what it does not run
+    Pair = ENGINES[str(s.served.engine)]  # eval/stage.py check_llamacpp refused what llama.cpp does not run
     sampled = s.temperature > 0  # statistical: several seeds per prompt; only the speculative engine runs
-    log_file = Path(s.cache_dir) / ("llamacpp" if llamacpp else "vllm") / "engine.log"
+    log_file = Path(s.cache_dir) / str(s.served.engine) / "engine.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     log_file.unlink(missing_ok=True)  # this run's engines only
-    name = LlamaCppPair.name if llamacpp else VLLMPair.name
-    log.info("serving %s on %s in %s (%s, %d threads; engine log %s)", s.drafter_dir, s.target_dir, name, s.dtype,
-             s.threads, log_file)
-    # llama.cpp's float32 kernels are not torch's: its gate is the reduced-precision one (rates within tolerance,
-    # outputs exact but for near-ties), in float32 too
-    gate_dtype = f"{s.dtype} in llama.cpp" if llamacpp else s.dtype
-    gate = None if sampled else Gate(s.block_size - 1, gate_dtype, s.served.tolerance,
-                                     judge.near_ties_allowed() if llamacpp else judge,
-                                     export_contract(s.drafter_dir, str(s.served.engine)), drafter_contract(drafter),
-                                     name, s.max_new_tokens if llamacpp else None)
-    if llamacpp:
-        engine = LlamaCppPair(s.cache_dir, s.target_dir, s.drafter_dir, s.block_size, s.max_model_len, s.threads,
-                              log_file, outtype="f32" if s.dtype == "float32" else "f16", plain=not sampled)
-        gguf = {"target": str(engine.target_gguf), "drafter": str(engine.drafter_gguf)}
-    else:
-        gguf = None
-        engine = VLLMPair(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len,
-                          s.threads, log_file, plain=not sampled,
-                          draft_sample_method=s.served.draft_sample_method if sampled else "greedy",
-                          repair=s.served.repair)
-    out = Served(str(s.served.engine), str(s.target_dir), s.threads, s.dtype, s.served.tolerance, gguf)
+    log.info("serving %s on %s in %s (%s, %d threads; engine log %s)", s.drafter_dir, s.target_dir, Pair.name,
+             s.dtype, s.threads, log_file)
+    gate = None if sampled else _gate(s, Pair, judge, drafter)
+    engine = _start(s, Pair, log_file, sampled)
+    out = Served(str(s.served.engine), str(s.target_dir), s.threads, s.dtype, s.served.tolerance, engine.files())
     try:
         for label, prompts in prompt_sets.items():
             timed = prompts[: s.online_prompts]
@@ -179,12 +164,31 @@ def serve(s: ServeSettings, target, drafter, judge: ExactnessJudge, prompt_sets:
     return out
 
 
+def _gate(s: ServeSettings, Pair: type[EnginePair], judge: ExactnessJudge, drafter) -> Gate:
+    """The greedy gate for this engine. On torch's kernels (vLLM) the counters must equal the own loop's in float32;
+    llama.cpp's float32 kernels are not torch's, so its gate is the reduced-precision one (rates within tolerance,
+    outputs exact but for near-ties) in float32 too."""
+    same = Pair.torch_kernels
+    return Gate(s.block_size - 1, s.dtype if same else f"{s.dtype} in {Pair.name}", s.served.tolerance,
+                judge if same else judge.near_ties_allowed(), export_contract(s.drafter_dir, str(s.served.engine)),
+                drafter_contract(drafter), Pair.name, s.max_new_tokens if Pair.budgeted else None)
+
+
+def _start(s: ServeSettings, Pair: type[EnginePair], log_file: Path, sampled: bool) -> EnginePair:
+    """Both engines of the pair, each with the settings it reads (at temperature > 0 the speculative one alone)."""
+    if Pair is LlamaCppPair:
+        return LlamaCppPair(s.cache_dir, s.target_dir, s.drafter_dir, s.block_size, s.max_model_len, s.threads,
+                            log_file, outtype="f32" if s.dtype == "float32" else "f16", plain=not sampled)
+    return VLLMPair(s.cache_dir, s.target_dir, s.drafter_dir, s.dtype, s.block_size, s.max_model_len, s.threads,
+                    log_file, plain=not sampled,
+                    draft_sample_method=s.served.draft_sample_method if sampled else "greedy", repair=s.served.repair)
+
+
 def _sampled(s: ServeSettings, engine: EnginePair, target, drafter, timed: list[dict], label: str) -> dict:
     seeds = [s.seed + i for i in range(s.served.seeds)]
-    llamacpp = isinstance(engine, LlamaCppPair)  # drafts capped by the tokens left to generate
     return sampled_set(engine, target, drafter, [p["prompt_ids"] for p in timed], s.block_size, s.max_new_tokens,
                        s.temperature, seeds, s.served.batch if engine.batches else 0, s.served.alpha,
-                       s.served.draft_sample_method, label, budget=s.max_new_tokens if llamacpp else None)
+                       s.served.draft_sample_method, label, budget=s.max_new_tokens if engine.budgeted else None)
 
 
 def _greedy(s: ServeSettings, engine: EnginePair, gate: Gate, target, own: OwnSet, label: str) -> dict:
