@@ -118,26 +118,11 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
 
     shared_dir: the experiment's run directory when this is a job of a sweep (see runtime.stages.stage_dirs).
     """
-    from dflash_pipeline.runtime.stages import export_dir, given_teacher, stage_dirs, train_stage
-    from dflash_pipeline.data.teacher import run_teacher
-    from dflash_pipeline.eval.stage import run_eval
+    from dflash_pipeline.runtime.stages import export_dir, stage_dirs, train_stage
     from dflash_pipeline.train.loop import run_train
 
-    # "train" trains trainer.component (dflash-train); "components" the drafter, then each of pipeline.components
-    components = [str(c) for c in cfg.pipeline.components]
-    if "train" in stages and str(cfg.trainer.component) != "drafter":
-        components.append(str(cfg.trainer.component))
-    if cfg.trainer.selector_loss_weight > 0 and "selector" in components:
-        from dflash_pipeline.conf.schema import ConfigError
-
-        raise ConfigError("trainer.selector_loss_weight > 0 trains the selector with the drafter (DFlash2 joint); "
-                          "drop selector from pipeline.components, or set the weight to 0 for a frozen-drafter one")
-    if "eval" in stages:  # refused before the teacher or training runs
-        from dflash_pipeline.eval.methods import check_names
-        from dflash_pipeline.eval.stage import check_served
-
-        check_names(cfg.eval.methods)
-        check_served(cfg)
+    components = _trained_components(cfg, stages)
+    _refuse_before_running(cfg, stages, components)
     dirs = stage_dirs(cfg, run_dir, shared_dir, tuple(dict.fromkeys(components)))
     outputs = {}
 
@@ -153,36 +138,69 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
             export_gguf(cfg, name, dirs[stage])
         outputs[stage] = dirs[stage]
 
-    def run(stage: str) -> None:
-        if stage == "teacher" and given_teacher(cfg):
-            log.info("teacher: using the dataset given by trainer.data_dir=%s", given_teacher(cfg))
-        elif stage == "teacher" and shared_dir is not None:
-            with _sweep_lock(dirs["teacher"]):  # parallel jobs of a sweep: one generates, the others then skip
-                run_teacher(cfg, dirs["teacher"])
-        elif stage == "teacher":
-            run_teacher(cfg, dirs["teacher"])
-        elif stage == "train":
-            train(str(cfg.trainer.component))
-        elif stage == "components":
-            for name in ["drafter", *[str(c) for c in cfg.pipeline.components]]:
-                train(name)
-        elif stage == "producer":  # the drafter stage's features, for trainer.features=producer (its run folder)
-            from dflash_pipeline.data.producer import run_producer
-
-            run_producer(cfg, dirs["train"].parent, dirs["teacher"])
-        elif stage == "eval":
-            run_eval(cfg, dirs["eval"], teacher_dir=dirs["teacher"], train_dir=dirs["train"],
-                     component_dirs={k.split("/", 1)[1]: v for k, v in dirs.items() if k.startswith("train/")})
-        else:
-            raise ValueError(f"unknown stage {stage!r}")
-
     for stage in stages:
         # "components" logs one line per component it trains (train()); every other stage one line here
         with nullcontext() if stage in ("train", "components") else _measured(stage):
-            run(stage)
+            _run_stage(cfg, stage, dirs, shared_dir, train)
         if stage in dirs:
             outputs[stage] = dirs[stage]
     return outputs
+
+
+def _trained_components(cfg: DictConfig, stages: list[str]) -> list[str]:
+    """The components the stages train on a frozen drafter, whose folders stage_dirs names: each of
+    pipeline.components ("components" trains the drafter, then these), and trainer.component when "train" trains one
+    other than the drafter (dflash-train)."""
+    components = [str(c) for c in cfg.pipeline.components]
+    if "train" in stages and str(cfg.trainer.component) != "drafter":
+        components.append(str(cfg.trainer.component))
+    return components
+
+
+def _refuse_before_running(cfg: DictConfig, stages: list[str], components: list[str]) -> None:
+    """Settings the stages cannot run with, refused in one line before the teacher or training runs: a selector
+    trained both jointly with the drafter and on its own, and an eval's unknown methods or unservable setup."""
+    if cfg.trainer.selector_loss_weight > 0 and "selector" in components:
+        from dflash_pipeline.conf.schema import ConfigError
+
+        raise ConfigError("trainer.selector_loss_weight > 0 trains the selector with the drafter (DFlash2 joint); "
+                          "drop selector from pipeline.components, or set the weight to 0 for a frozen-drafter one")
+    if "eval" in stages:
+        from dflash_pipeline.eval.methods import check_names
+        from dflash_pipeline.eval.stage import check_served
+
+        check_names(cfg.eval.methods)
+        check_served(cfg)
+
+
+def _run_stage(cfg: DictConfig, stage: str, dirs: dict[str, Path], shared_dir: Path | None, train) -> None:
+    """One stage in its folder of `dirs`; `train(name)` trains one component (run_stages' closure, which also records
+    the component's output)."""
+    from dflash_pipeline.runtime.stages import given_teacher
+    from dflash_pipeline.data.teacher import run_teacher
+    from dflash_pipeline.eval.stage import run_eval
+
+    if stage == "teacher" and given_teacher(cfg):
+        log.info("teacher: using the dataset given by trainer.data_dir=%s", given_teacher(cfg))
+    elif stage == "teacher" and shared_dir is not None:
+        with _sweep_lock(dirs["teacher"]):  # parallel jobs of a sweep: one generates, the others then skip
+            run_teacher(cfg, dirs["teacher"])
+    elif stage == "teacher":
+        run_teacher(cfg, dirs["teacher"])
+    elif stage == "train":
+        train(str(cfg.trainer.component))
+    elif stage == "components":
+        for name in ["drafter", *[str(c) for c in cfg.pipeline.components]]:
+            train(name)
+    elif stage == "producer":  # the drafter stage's features, for trainer.features=producer (its run folder)
+        from dflash_pipeline.data.producer import run_producer
+
+        run_producer(cfg, dirs["train"].parent, dirs["teacher"])
+    elif stage == "eval":
+        run_eval(cfg, dirs["eval"], teacher_dir=dirs["teacher"], train_dir=dirs["train"],
+                 component_dirs={k.split("/", 1)[1]: v for k, v in dirs.items() if k.startswith("train/")})
+    else:
+        raise ValueError(f"unknown stage {stage!r}")
 
 
 def check_gguf_export(cfg: DictConfig) -> None:

@@ -66,9 +66,41 @@ def load_conversations(
     name: the dataset configuration for "hf".
     Filters: no user prompt or an empty one, first non-system turn from the assistant, unknown roles, and (with a
     tokenizer) a first user prompt longer than max_prompt_tokens, and conversations whose turns hold fewer than
-    min_tokens tokens in all (long-sequence recipes: whole conversations as long as reasoning traces). Reading stops as soon as `limit` are selected,
-    so a small slice of ShareGPT neither parses the whole file nor tokenizes every prompt.
+    min_tokens tokens in all (long-sequence recipes: whole conversations as long as reasoning traces). Reading stops
+    as soon as `limit` are selected, so a small slice of ShareGPT neither parses the whole file nor tokenizes every
+    prompt.
     """
+    _check_arguments(source, split, heldout_fraction, limit, skip, tokenizer, max_prompt_tokens, min_tokens)
+    label = source if path is None else f"{source} {path}"
+    counts = Counter()
+    passed = 0  # conversations that survived filters and split, including those skipped
+    selected = []
+    for conv in _read(source, path, name, log):
+        counts["read"] += 1
+        reason = _drop_reason(conv, split, heldout_fraction, tokenizer, max_prompt_tokens, min_tokens)
+        if reason:
+            counts[reason] += 1
+            continue
+        passed += 1
+        if passed <= skip:
+            continue
+        selected.append(conv)
+        if limit is not None and len(selected) >= limit:
+            break
+
+    summary = _summary(counts, passed, skip, max_prompt_tokens, min_tokens)
+    if not selected:
+        raise DataSourceError(
+            f"{label} produced no conversations after filtering ({summary}); check the path, "
+            f"split={split!r}, skip={skip}, max_prompt_tokens={max_prompt_tokens}, min_tokens={min_tokens}"
+        )
+    log(f"{label}: kept {len(selected)} conversations (split={split}); {summary}")
+    return selected
+
+
+def _check_arguments(source: str, split: str, heldout_fraction: float, limit: int | None, skip: int, tokenizer,
+                     max_prompt_tokens: int | None, min_tokens: int) -> None:
+    """load_conversations' arguments, refused before any file is read."""
     if source not in SOURCES:
         raise ValueError(f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)}")
     if split not in SPLITS:
@@ -80,48 +112,35 @@ def load_conversations(
     if (max_prompt_tokens is not None or min_tokens) and tokenizer is None:
         raise ValueError("max_prompt_tokens and min_tokens need a tokenizer to measure conversations")
 
-    label = source if path is None else f"{source} {path}"
-    counts = Counter()
-    passed = 0  # conversations that survived filters and split, including those skipped
-    selected = []
-    for conv in _read(source, path, name, log):
-        counts["read"] += 1
-        reason = _reject_reason(conv["messages"])
-        if reason:
-            counts[reason] += 1
-            continue
-        if split != "all" and is_heldout(conv["id"], heldout_fraction) != (split == "heldout"):
-            counts["other split"] += 1
-            continue
-        if max_prompt_tokens is not None:
-            prompt = next(m["content"] for m in conv["messages"] if m["role"] == "user")
-            if len(tokenizer(prompt)["input_ids"]) > max_prompt_tokens:
-                counts["too long"] += 1
-                continue
-        if min_tokens and sum(len(tokenizer(m["content"])["input_ids"]) for m in conv["messages"]) < min_tokens:
-            counts["too short"] += 1
-            continue
-        passed += 1
-        if passed <= skip:
-            continue
-        selected.append(conv)
-        if limit is not None and len(selected) >= limit:
-            break
 
+def _drop_reason(conv: dict, split: str, heldout_fraction: float, tokenizer, max_prompt_tokens: int | None,
+                 min_tokens: int) -> str | None:
+    """Why load_conversations drops `conv`, as a count key; None when it keeps it. The cheap tests come first, so
+    the tokenizer measures only conversations of the split that can give a prompt."""
+    reason = _reject_reason(conv["messages"])
+    if reason:
+        return reason
+    if split != "all" and is_heldout(conv["id"], heldout_fraction) != (split == "heldout"):
+        return "other split"
+    if max_prompt_tokens is not None:
+        prompt = next(m["content"] for m in conv["messages"] if m["role"] == "user")
+        if len(tokenizer(prompt)["input_ids"]) > max_prompt_tokens:
+            return "too long"
+    if min_tokens and sum(len(tokenizer(m["content"])["input_ids"]) for m in conv["messages"]) < min_tokens:
+        return "too short"
+    return None
+
+
+def _summary(counts: Counter, passed: int, skip: int, max_prompt_tokens: int | None, min_tokens: int) -> str:
+    """What the filters did, for the log line (and the error when nothing is left): read, dropped by reason, in the
+    other split, skipped."""
     too_long = f", {counts['too long']} with prompts over {max_prompt_tokens} tokens" if max_prompt_tokens else ""
     too_long += f", {counts['too short']} under {min_tokens} tokens in all" if min_tokens else ""
-    summary = (
+    return (
         f"read {counts['read']}; dropped {counts['empty']} empty, {counts['assistant first']} starting with the "
         f"assistant, {counts['malformed']} with malformed roles{too_long}; {counts['other split']} in the other "
         f"split; skipped {min(passed, skip)}"
     )
-    if not selected:
-        raise DataSourceError(
-            f"{label} produced no conversations after filtering ({summary}); check the path, "
-            f"split={split!r}, skip={skip}, max_prompt_tokens={max_prompt_tokens}, min_tokens={min_tokens}"
-        )
-    log(f"{label}: kept {len(selected)} conversations (split={split}); {summary}")
-    return selected
 
 
 def is_heldout(conv_id: str, fraction: float) -> bool:

@@ -147,53 +147,17 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
     all of a turn's prompts in one request batch); features are then left to add_features.
     """
     tok, t = target.tokenizer, cfg.teacher
-    eos_ids = target.eos_ids
-    max_len = target.config.max_position_embeddings
     samples = []
     for c in convs:
         samples.append({"id": c["id"], "segments": chat_segments(tok, c["messages"], t.max_turns),
                         "input_ids": [], "loss_mask": [], "num_turns": 0})
     counted = [0.0]  # samples reported to `progress` so far
     for turn in range(t.max_turns):
-        todo = []
-        for s in samples:
-            if turn >= len(s["segments"]) or s["num_turns"] < turn:
-                continue
-            seg = s["segments"][turn]
-            if s["input_ids"] and s["input_ids"][-1] in eos_ids and seg[:1] == s["input_ids"][-1:]:
-                seg = seg[1:]  # the reply already ended with the template's end-of-turn token
-            if turn and len(s["input_ids"]) + len(seg) + t.max_new_tokens > max_len:
-                continue  # no room for another turn within the target's context
-            s["input_ids"] += seg
-            s["loss_mask"] += [0] * len(seg)
-            todo.append(s)
-        todo.sort(key=lambda s: len(s["input_ids"]))  # length order: admitted neighbours carry little padding
+        todo = turn_prompts(samples, turn, target.eos_ids, target.config.max_position_embeddings, t.max_new_tokens)
         if not todo:
             continue
-        gens = None
-        if t.temperature > 0:
-            gens = [torch.Generator().manual_seed(sample_seed(seed, s["id"], turn)) for s in todo]
-
-        def on_step(new_tokens: int, finished: list[int], todo=todo) -> None:
-            progress.add("gen tok", new_tokens)
-            part = sum(1 / len(todo[r]["segments"]) for r in finished)
-            counted[0] += part
-            progress.update(part)
-
-        settings = dict(max_new_tokens=t.max_new_tokens, eos_ids=eos_ids, pad_id=tok.pad_token_id,
-                        temperature=t.temperature, top_p=t.top_p, generators=gens,
-                        on_step=on_step if progress else None, batch_size=t.batch_size,
-                        prefill_tokens=t.prefill_batch_tokens, max_len=max_len)
-        prompts = [s["input_ids"] for s in todo]
-        if engine is not None:
-            replies = engine.generate(prompts, t.max_new_tokens, sorted(eos_ids), batch=True)["outputs"]
-            captured = [None] * len(todo)
-            if progress:
-                on_step(sum(map(len, replies)), list(range(len(todo))))
-        elif layer_ids is None:
-            replies, captured = generate(target.model, prompts, **settings), [None] * len(todo)
-        else:
-            replies, captured = generate_capturing(target.model, prompts, layer_ids, **settings)
+        on_step = turn_progress(progress, todo, counted)
+        replies, captured = generate_turn(target, todo, cfg, seed, turn, on_step, layer_ids, engine)
         for s, r, c in zip(todo, replies, captured):
             s["input_ids"] += r
             s["loss_mask"] += [1] * len(r)
@@ -203,6 +167,67 @@ def regenerate(target: Target, convs: list[dict], cfg: DictConfig, seed: int, pr
     if progress is not None:  # turns skipped for want of context room, and conversations without a turn
         progress.update(len(samples) - counted[0])
     return samples
+
+
+def turn_prompts(samples: list[dict], turn: int, eos_ids: set[int], max_len: int, max_new_tokens: int
+                 ) -> list[dict]:
+    """The samples that get a reply in `turn`, each with the template text before that reply appended (unmasked),
+    shortest first. A sample is left out when it has no such turn, when an earlier turn of it was left out, or when
+    the reply would not fit the target's context (max_len)."""
+    todo = []
+    for s in samples:
+        if turn >= len(s["segments"]) or s["num_turns"] < turn:
+            continue
+        seg = s["segments"][turn]
+        if s["input_ids"] and s["input_ids"][-1] in eos_ids and seg[:1] == s["input_ids"][-1:]:
+            seg = seg[1:]  # the reply already ended with the template's end-of-turn token
+        if turn and len(s["input_ids"]) + len(seg) + max_new_tokens > max_len:
+            continue  # no room for another turn within the target's context
+        s["input_ids"] += seg
+        s["loss_mask"] += [0] * len(seg)
+        todo.append(s)
+    todo.sort(key=lambda s: len(s["input_ids"]))  # length order: admitted neighbours carry little padding
+    return todo
+
+
+def turn_progress(progress: Progress | None, todo: list[dict], counted: list[float]):
+    """The generation's on_step callback for one turn (None without progress): it adds the new tokens to "gen tok"
+    and each finished reply as its share of a conversation (1 / its turns), keeping the running total in counted[0]
+    so that regenerate can settle the rest at the end."""
+    if not progress:
+        return None
+
+    def on_step(new_tokens: int, finished: list[int]) -> None:
+        progress.add("gen tok", new_tokens)
+        part = sum(1 / len(todo[r]["segments"]) for r in finished)
+        counted[0] += part
+        progress.update(part)
+
+    return on_step
+
+
+def generate_turn(target: Target, todo: list[dict], cfg: DictConfig, seed: int, turn: int, on_step,
+                  layer_ids: list[int] | None, engine: VLLMEngine | None) -> tuple[list[list[int]], list]:
+    """One turn's replies to the prompts of `todo` (in that order), and per sample the features generation captured
+    (None where it captured none): by vLLM (engine), else by transformers, with the taps when layer_ids is given.
+    Sampled replies (teacher.temperature > 0) draw from a generator seeded per sample and turn."""
+    t, tok, eos_ids = cfg.teacher, target.tokenizer, target.eos_ids
+    gens = None
+    if t.temperature > 0:
+        gens = [torch.Generator().manual_seed(sample_seed(seed, s["id"], turn)) for s in todo]
+    settings = dict(max_new_tokens=t.max_new_tokens, eos_ids=eos_ids, pad_id=tok.pad_token_id,
+                    temperature=t.temperature, top_p=t.top_p, generators=gens, on_step=on_step,
+                    batch_size=t.batch_size, prefill_tokens=t.prefill_batch_tokens,
+                    max_len=target.config.max_position_embeddings)
+    prompts = [s["input_ids"] for s in todo]
+    if engine is not None:
+        replies = engine.generate(prompts, t.max_new_tokens, sorted(eos_ids), batch=True)["outputs"]
+        if on_step is not None:
+            on_step(sum(map(len, replies)), list(range(len(todo))))
+        return replies, [None] * len(todo)
+    if layer_ids is None:
+        return generate(target.model, prompts, **settings), [None] * len(todo)
+    return generate_capturing(target.model, prompts, layer_ids, **settings)
 
 
 def add_features(target: Target, samples: list[dict], layer_ids: list[int], cfg: DictConfig,
@@ -383,14 +408,7 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
         return out
 
     # Everything that can fail on bad input is checked before the output folder is created.
-    check_engine(cfg)
-    target = load_target(cfg.target, cfg.cache_dir, body=cfg.teacher.capture != "engine")
-    layer_ids = resolve_layer_ids(cfg.teacher.layer_ids, cfg.teacher.num_taps, target.num_layers)
-    if cfg.teacher.capture == "engine":
-        try:
-            check_capture_layers(layer_ids, target.num_layers)
-        except VLLMError as err:
-            raise DatasetError(str(err)) from None
+    target, layer_ids = checked_target(cfg)
     feature_dtype = FEATURE_DTYPES[str(cfg.teacher.feature_dtype)]
     notes: list[str] = []
 
@@ -405,20 +423,52 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
             "shards": [[convs[i]["id"] for i in s] for s in shards]}
 
     if state.is_main_process:
-        if status == "new":
-            out.mkdir(parents=True, exist_ok=True)
-            write_json(out / "plan.json", plan)
-        else:
-            started = json.loads((out / "plan.json").read_text())
-            if started["shards"] != plan["shards"]:
-                raise DatasetError(f"{out}/plan.json lists other samples than this config selects; delete the folder")
-            if started.get("target_dtype", target.dtype) != target.dtype:  # target.dtype=auto on another machine
-                raise DatasetError(f"{out} was started with a {started['target_dtype']} target, this machine runs it "
-                                   f"in {target.dtype} (target.dtype=auto decides per machine): finish it where the "
-                                   f"target runs in {started['target_dtype']}, or start another folder with an "
-                                   "explicit target.dtype")
+        start_or_check_plan(out, status, plan, target)
     state.wait_for_everyone()
+    write_own_shards(cfg, out, state, target, convs, shards, layer_ids, feature_dtype)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        write_manifest(cfg, out, target, convs, len(shards), layer_ids, digest, config, notes)
+    state.wait_for_everyone()
+    return out
 
+
+def checked_target(cfg: DictConfig) -> tuple[Target, list[int]]:
+    """The target (its head alone with teacher.capture=engine) and the tapped layer ids, the engine settings checked
+    first and the taps against what vLLM can capture: the checks on bad input that run before any output."""
+    check_engine(cfg)
+    target = load_target(cfg.target, cfg.cache_dir, body=cfg.teacher.capture != "engine")
+    layer_ids = resolve_layer_ids(cfg.teacher.layer_ids, cfg.teacher.num_taps, target.num_layers)
+    if cfg.teacher.capture == "engine":
+        try:
+            check_capture_layers(layer_ids, target.num_layers)
+        except VLLMError as err:
+            raise DatasetError(str(err)) from None
+    return target, layer_ids
+
+
+def start_or_check_plan(out: Path, status: str, plan: dict, target: Target) -> None:
+    """A new folder gets plan.json; a started one must hold this very plan (the same samples in the same shards, a
+    target in the same dtype), so that finishing it gives the dataset an uninterrupted run writes."""
+    if status == "new":
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "plan.json", plan)
+        return
+    started = json.loads((out / "plan.json").read_text())
+    if started["shards"] != plan["shards"]:
+        raise DatasetError(f"{out}/plan.json lists other samples than this config selects; delete the folder")
+    if started.get("target_dtype", target.dtype) != target.dtype:  # target.dtype=auto on another machine
+        raise DatasetError(f"{out} was started with a {started['target_dtype']} target, this machine runs it "
+                           f"in {target.dtype} (target.dtype=auto decides per machine): finish it where the "
+                           f"target runs in {started['target_dtype']}, or start another folder with an "
+                           "explicit target.dtype")
+
+
+def write_own_shards(cfg: DictConfig, out: Path, state: PartialState, target: Target, convs: list[dict],
+                     shards: list[list[int]], layer_ids: list[int], feature_dtype: torch.dtype | None) -> None:
+    """Generate and write this process's shards (shard k is process k mod N's) that are not on disk yet: a shard
+    file is the unit of resumption, so a rerun redoes only the shard a killed run was writing. The vLLM engine is
+    started only when a shard left to write has replies to regenerate."""
     mine = [k for k in range(len(shards)) if k % state.num_processes == state.process_index]
     todo = [k for k in mine if read_shard_record(out, k) is None]
     total = sum(len(shards[k]) for k in mine)
@@ -434,35 +484,35 @@ def run_teacher(cfg: DictConfig, out: Path) -> Path:
             samples = teacher_samples(target, [convs[i] for i in shards[k]], cfg, layer_ids, bar, engine)
             write_shard(out, k, samples, feature_dtype, process=f"{state.process_index} of {state.num_processes}",
                         seconds=time.perf_counter() - start, taps=len(layer_ids))
-    state.wait_for_everyone()
 
-    if state.is_main_process:
-        records = [read_shard_record(out, k, check=False) for k in range(len(shards))]
-        missing = [k for k, r in enumerate(records) if r is None]
-        if missing:
-            raise DatasetError(f"teacher shards {missing} are missing in {out}; rerun the same command to finish")
-        mc = target.model.config
-        write_json(out / "manifest.json", {
-            "format_version": FORMAT_VERSION,
-            "config_hash": digest,
-            "config": config,
-            "target": {"ref": target.ref, "num_layers": mc.num_hidden_layers, "hidden_size": mc.hidden_size,
-                       "vocab_size": mc.vocab_size, "eos_token_id": target.tokenizer.eos_token_id,
-                       "dtype": target.dtype, "numerics": target.numerics},
-            "layer_ids": layer_ids,
-            "feature_dtype": cfg.teacher.feature_dtype,
-            "topk_logprobs": cfg.teacher.topk_logprobs,
-            "mode": str(cfg.teacher.mode),
-            "engine": str(cfg.teacher.engine),  # who wrote the regenerated replies
-            "capture": str(cfg.teacher.capture),  # who captured the features (engine: vLLM, else transformers)
-            "num_prefilled": sum(c["prefill"] for c in convs),
-            "num_samples": sum(r["num_samples"] for r in records),
-            "num_tokens": sum(r["num_tokens"] for r in records),
-            "num_loss_tokens": sum(r["num_loss_tokens"] for r in records),
-            "notes": notes,
-            "shards": records,
-        })
-        log.info("teacher dataset complete: %s", out)
-    state.wait_for_everyone()
-    return out
 
+def write_manifest(cfg: DictConfig, out: Path, target: Target, convs: list[dict], num_shards: int,
+                   layer_ids: list[int], digest: str, config: dict, notes: list[str]) -> None:
+    """manifest.json, which marks the dataset complete (check_existing then skips the folder): written only once
+    every process's shards are on disk, with what a training stage checks the dataset against."""
+    records = [read_shard_record(out, k, check=False) for k in range(num_shards)]
+    missing = [k for k, r in enumerate(records) if r is None]
+    if missing:
+        raise DatasetError(f"teacher shards {missing} are missing in {out}; rerun the same command to finish")
+    mc = target.model.config
+    write_json(out / "manifest.json", {
+        "format_version": FORMAT_VERSION,
+        "config_hash": digest,
+        "config": config,
+        "target": {"ref": target.ref, "num_layers": mc.num_hidden_layers, "hidden_size": mc.hidden_size,
+                   "vocab_size": mc.vocab_size, "eos_token_id": target.tokenizer.eos_token_id,
+                   "dtype": target.dtype, "numerics": target.numerics},
+        "layer_ids": layer_ids,
+        "feature_dtype": cfg.teacher.feature_dtype,
+        "topk_logprobs": cfg.teacher.topk_logprobs,
+        "mode": str(cfg.teacher.mode),
+        "engine": str(cfg.teacher.engine),  # who wrote the regenerated replies
+        "capture": str(cfg.teacher.capture),  # who captured the features (engine: vLLM, else transformers)
+        "num_prefilled": sum(c["prefill"] for c in convs),
+        "num_samples": sum(r["num_samples"] for r in records),
+        "num_tokens": sum(r["num_tokens"] for r in records),
+        "num_loss_tokens": sum(r["num_loss_tokens"] for r in records),
+        "notes": notes,
+        "shards": records,
+    })
+    log.info("teacher dataset complete: %s", out)

@@ -22,8 +22,8 @@ With "capture_layers" (vLLM's auxiliary layer ids: the project's tapped layer i 
 `extract_hidden_states` method: the target caches those layers' states per token beside its KV cache, and
 FileCapture, a KV connector defined here, copies a finished request's states to its file on the CPU (vLLM's example
 connector stages them through pinned CUDA memory, which the CPU build does not have). The engine core runs
-in-process (on a CPU always: main() says why), so that the connector registered here is the one it builds. Only
-requests that name a file are written.
+in-process (on a CPU always: start_engine() says why), so that the connector registered here is the one it builds.
+Only requests that name a file are written.
 The states live in cache blocks beside the KV cache, so with prefix caching a capture of a sequence the engine has
 just generated reuses the states its generation computed: only the last, partial block is computed again.
 Speculative counters are the deltas of LLM.get_metrics() over a call: drafts, draft tokens, accepted tokens and
@@ -142,6 +142,19 @@ def main() -> None:
     os.dup2(2, 1)
     replies = os.fdopen(reply_fd, "w", buffering=1)
 
+    llm, ready = start_engine(settings)
+    replies.write(json.dumps(ready) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "quit":
+            break
+        reply = capture(llm, req) if req["op"] == "capture" else generate(llm, req)
+        replies.write(json.dumps(reply) + "\n")
+
+
+def start_engine(settings: dict):
+    """vLLM's LLM built on the settings, and the ready reply. The engine code is probed (and with "repair" mended)
+    before the engine is built, so that the engine runs what the checks report."""
     capture_layers = settings.get("capture_layers")
     import torch
 
@@ -152,64 +165,77 @@ def main() -> None:
     if settings.get("repair") or capture_layers or not torch.cuda.is_available():
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     checks = {"rejection_temperature": expand_ok()}
     repaired = []
     if settings.get("repair") and not checks["rejection_temperature"]:
         repair_expand()
         repaired.append("rejection_temperature")
+    if capture_layers:
+        register_file_capture()
+    llm = LLM(**engine_args(settings))
+    return llm, {"ready": True, "version": vllm.__version__, "checks": checks, "repaired": repaired}
 
+
+def engine_args(settings: dict) -> dict:
+    """LLM's keyword arguments: eager, seeded, with statistics (the speculative counters); with "capture_layers" the
+    extract_hidden_states method and the FileCapture connector (registered first: register_file_capture)."""
     kwargs = dict(model=settings["model"], dtype=settings["dtype"], max_model_len=settings["max_model_len"],
                   enforce_eager=True, seed=0, disable_log_stats=False, max_num_seqs=settings.get("max_num_seqs", 64))
     if settings.get("speculative"):
         kwargs["speculative_config"] = settings["speculative"]
-    if capture_layers:
-        register_file_capture()
+    if settings.get("capture_layers"):
         kwargs["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                         "draft_model_config": {"hf_config": {
-                                            "eagle_aux_hidden_state_layer_ids": capture_layers}}}
+                                            "eagle_aux_hidden_state_layer_ids": settings["capture_layers"]}}}
         kwargs["kv_transfer_config"] = {"kv_connector": "FileCapture", "kv_role": "kv_producer",
                                         "kv_connector_extra_config": {"allow_custom_save_path": True,
                                                                       "use_synchronization_lock": False}}
         # prefix caching on: the states sit in cache blocks like the KV, so a capture of a sequence the engine has
         # just generated reads the states generation computed, and only its last, partial block is computed again
         kwargs["enable_prefix_caching"] = True
-    llm = LLM(**kwargs)
-    replies.write(json.dumps({"ready": True, "version": vllm.__version__, "checks": checks, "repaired": repaired})
-                  + "\n")
+    return kwargs
 
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req["op"] == "quit":
+
+def capture(llm, req: dict) -> dict:
+    """The capture request: one prefill of each prompt (one discarded output token), waiting until FileCapture has
+    written every prompt's file."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    params = [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                             extra_args={"kv_transfer_params": {"hidden_states_path": path}})
+              for path in req["paths"]]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+    for _ in range(100):  # a finished request's states are written on the engine's next step
+        if all(os.path.exists(path) for path in req["paths"]):
             break
-        if req["op"] == "capture":
-            t0 = time.perf_counter()
-            params = [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
-                                     extra_args={"kv_transfer_params": {"hidden_states_path": path}})
-                      for path in req["paths"]]
-            llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
-            for _ in range(100):  # a finished request's states are written on the engine's next step
-                if all(os.path.exists(path) for path in req["paths"]):
-                    break
-                llm.llm_engine.step()
-            replies.write(json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
-            continue
-        seeds = req.get("seeds") or [None] * len(req["prompts"])
-        params = [SamplingParams(temperature=req.get("temperature", 0.0), seed=seed, max_tokens=req["max_tokens"],
-                                 stop_token_ids=req["stop_token_ids"], detokenize=False) for seed in seeds]
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-        groups = [list(range(len(prompts)))] if req.get("batch") else [[i] for i in range(len(prompts))]
-        outputs, seconds, spec = [], [], []
-        for group in groups:
-            before = counters(llm)
-            t0 = time.perf_counter()
-            done = llm.generate([prompts[i] for i in group], [params[i] for i in group], use_tqdm=False)
-            seconds.append(time.perf_counter() - t0)
-            spec.append(delta(counters(llm), before))
-            outputs += [list(o.outputs[0].token_ids) for o in done]
-        replies.write(json.dumps({"outputs": outputs, "seconds": seconds, "spec": spec}) + "\n")
+        llm.llm_engine.step()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def generate(llm, req: dict) -> dict:
+    """The generate request: replies, seconds and speculative counters per generate call (one per prompt, or one
+    for the whole batch with "batch": true)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    seeds = req.get("seeds") or [None] * len(req["prompts"])
+    params = [SamplingParams(temperature=req.get("temperature", 0.0), seed=seed, max_tokens=req["max_tokens"],
+                             stop_token_ids=req["stop_token_ids"], detokenize=False) for seed in seeds]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    groups = [list(range(len(prompts)))] if req.get("batch") else [[i] for i in range(len(prompts))]
+    outputs, seconds, spec = [], [], []
+    for group in groups:
+        before = counters(llm)
+        t0 = time.perf_counter()
+        done = llm.generate([prompts[i] for i in group], [params[i] for i in group], use_tqdm=False)
+        seconds.append(time.perf_counter() - t0)
+        spec.append(delta(counters(llm), before))
+        outputs += [list(o.outputs[0].token_ids) for o in done]
+    return {"outputs": outputs, "seconds": seconds, "spec": spec}
 
 
 if __name__ == "__main__":
