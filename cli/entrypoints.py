@@ -194,8 +194,9 @@ def _run_stage(cfg: DictConfig, stage: str, dirs: dict[str, Path], shared_dir: P
             train(name)
     elif stage == "producer":  # the drafter stage's features, for trainer.features=producer (its run folder)
         from dflash_pipeline.data.producer import run_producer
+        from dflash_pipeline.runtime.stages import run_dir_of
 
-        run_producer(cfg, dirs["train"].parent, dirs["teacher"])
+        run_producer(cfg, run_dir_of("train", dirs["train"]), dirs["teacher"])
     elif stage == "eval":
         run_eval(cfg, dirs["eval"], teacher_dir=dirs["teacher"], train_dir=dirs["train"],
                  component_dirs={k.split("/", 1)[1]: v for k, v in dirs.items() if k.startswith("train/")})

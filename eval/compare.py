@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.runtime.files import atomic_path
-from dflash_pipeline.runtime.stages import recorded_stage_dir
+from dflash_pipeline.runtime.stages import recorded_stage_dir, stage_of_export
 
 # Config keys that never explain a difference in results (where outputs go, how often to log, ...).
 NOISE = {"name", "cache_dir", "trainer.out_dir", "teacher.out_dir", "eval.out_dir", "trainer.data_dir",
@@ -104,8 +104,8 @@ def read_stages(eval_dir: Path | None, train_dir: Path | None, label: str = "") 
                                                                  "exact")}
         drafter = Path(results["drafter_dir"])  # the train stage may live elsewhere (shared by a sweep)
         if (train_dir is None or not (train_dir / "metrics.jsonl").is_file()) and \
-                (drafter.parent / "metrics.jsonl").is_file():
-            train_dir = drafter.parent
+                (stage_of_export(drafter) / "metrics.jsonl").is_file():
+            train_dir = stage_of_export(drafter)
     if train_dir is not None and (train_dir / "metrics.jsonl").is_file():
         rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]

@@ -112,6 +112,11 @@ def export_dir(stage_folder: str | Path) -> Path:
     return Path(stage_folder) / EXPORT
 
 
+def stage_of_export(export: str | Path) -> Path:
+    """The training stage folder an export sits in (the inverse of export_dir)."""
+    return Path(export).parent
+
+
 def component_export(component: str, train_dir: str | Path, component_dirs: dict[str, Path] | None = None) -> Path:
     """A component's export: its stage's (component_dirs: the pipeline's resolved folders), else the one under the
     drafter's stage, <train_dir>/<component>/export (a component on a frozen drafter; a selector trained jointly)."""

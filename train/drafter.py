@@ -416,12 +416,12 @@ class DrafterComponent(ComponentHooks):
             "loss": self.cfg.trainer.loss,
         }})
         if self.selector_weight > 0:
-            from dflash_pipeline.runtime.stages import component_export
+            from dflash_pipeline.runtime.stages import component_export, stage_of_export
             from dflash_pipeline.train.frozen import export_with_drafter
             from dflash_pipeline.train.selector import PREFIX
 
             selector = model.selector
-            export_with_drafter(folder, component_export("selector", folder.parent),
+            export_with_drafter(folder, component_export("selector", stage_of_export(folder)),
                                 {PREFIX + k: v for k, v in selector.state_dict().items()}, selector.config_dict(),
                                 "selector", {"joint": True, "selector_loss_weight": self.selector_weight,
                                              "steps": self.cfg.trainer.steps})
