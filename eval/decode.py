@@ -125,6 +125,88 @@ def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return q.scatter_(1, drafts.long()[:, None], 1.0)
 
 
+def _method_and_block(drafter, model, block_size: int | None, temperature: float, acceptance: str):
+    """(method, B) for this decode, or a one-line refusal before any work: a block outside what the method was trained
+    for, a method that cannot run at this temperature, an unknown acceptance rule or a target the method cannot tap."""
+    method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
+    B = block_size or method.max_block_size
+    if not 2 <= B <= method.max_block_size:
+        raise ValueError(f"block size {B} must be in 2 .. {method.max_block_size} (the trained block size)")
+    method.check(B, temperature)  # e.g. a greedy-only method at temperature > 0: refused, never run differently
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"unknown acceptance rule {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
+    check_target(method, model)
+    return method, B
+
+
+def _prefill(model, method, prompt_ids: list[int], cache, rollback, B: int, temperature: float,
+             generator: torch.Generator | None):
+    """The prompt in one target forward: (first anchor, the prompt's tapped features (1, L, .), their positions,
+    the final hidden state that chose the anchor), what the method's first round reads. A recording rollback starts
+    on the filled cache (it keeps the states of each block from here on); the anchor is picked as autoregressive's."""
+    device = device_of(model)
+    L = len(prompt_ids)
+    logits, feats, final = target_forward(model, torch.tensor([prompt_ids], device=device),
+                                          torch.arange(L, device=device)[None], cache, method.layer_ids,
+                                          last_only=True)
+    rollback.start(cache, B)
+    anchor = int(logits[-1].argmax()) if temperature <= 0 else sample(probs(logits[-1], temperature), generator)
+    return anchor, feats[None], torch.arange(L, device=device), final[-1]
+
+
+def _accept(drafts: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None, temperature: float,
+            greedy_draft: bool, generator: torch.Generator | None) -> tuple[int, int]:
+    """(accepted, next anchor) by the round's rule: the argmax prefix at temperature 0; else speculative sampling
+    against the distribution the drafts came from (the method's q, or one-hot on each draft under greedy_draft)."""
+    if temperature <= 0:
+        return _accept_greedy(drafts, logits)
+    q = one_hot_q(drafts, logits.shape[-1]) if greedy_draft else q.to(drafts.device)
+    return _accept_sampling(drafts, q, logits, temperature, generator)
+
+
+def _verify(model, cache, rollback, layer_ids, prop, drafts: torch.Tensor, L: int, anchor: int, temperature: float,
+            greedy_draft: bool, generator: torch.Generator | None):
+    """One target forward over the round's proposal: (accepted n, next anchor, accepted tokens, tapped features of
+    anchor + accepted (n+1, .), the final hidden state that chose the next anchor). The cache keeps anchor + accepted
+    only (a recurrent target's state too: target.rollback), so the next round continues from position L + n + 1."""
+    if prop.tree is not None:  # one forward over the tree, greedy walk, the cache compacted to the path
+        verdict = verify_tree(model, cache, L, anchor, prop.tree, layer_ids)
+        return len(verdict.path), verdict.next_anchor, verdict.tokens, verdict.features, verdict.final[-1]
+    device = device_of(model)
+    ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, 1 + drafts)
+    positions = torch.arange(L, L + ids.shape[1], device=device)[None]
+    rollback.before(cache)
+    logits, feats, final = target_forward(model, ids, positions, cache, layer_ids)  # (1+d, ...)
+    n, next_anchor = _accept(drafts, logits, prop.q, temperature, greedy_draft, generator)
+    rollback.after(cache, L + n + 1, ids[:, : n + 1], positions[:, : n + 1])
+    return n, next_anchor, drafts[:n].tolist(), feats, final[n]
+
+
+def _record_round(res: SpecResult, prop, n: int, verified: int, draft_s: float, verify_s: float) -> None:
+    """One verify round's entries in the per-round lists of SpecResult (docs/metrics.md reads them)."""
+    res.accepted.append(n)
+    res.verified.append(verified)
+    res.drafted.append(prop.drafted)
+    res.draft_s.append(draft_s)
+    res.select_s.append(prop.select_s)
+    res.scorings.append(prop.scorings)
+    res.verify_s.append(verify_s)
+
+
+def _commit(output: list[int], new: list[int], eos, max_new_tokens: int) -> tuple[list[int], bool]:
+    """(output, done) after a round's new tokens (accepted drafts, then the next anchor): extended in place (it is
+    the list the method sees as RoundState.output), cut after the first EOS among them and at max_new_tokens."""
+    done = False
+    for i, tok in enumerate(new):
+        if tok in eos:
+            new, done = new[: i + 1], True
+            break
+    output += new
+    if len(output) >= max_new_tokens:
+        output, done = output[:max_new_tokens], True
+    return output, done
+
+
 @torch.no_grad()
 def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, block_size: int | None = None,
                 temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -138,16 +220,9 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     targets crop); None: the target's own setting (target.rollback).
     acceptance: the rule at temperature > 0 (ACCEPTANCE_RULES; the module docstring says what each does).
     """
-    method = ChainMethod(drafter) if isinstance(drafter, DFlashDrafter) else drafter
-    B = block_size or method.max_block_size
-    if not 2 <= B <= method.max_block_size:
-        raise ValueError(f"block size {B} must be in 2 .. {method.max_block_size} (the trained block size)")
-    method.check(B, temperature)  # e.g. a greedy-only method at temperature > 0: refused, never run differently
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"unknown acceptance rule {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
+    method, B = _method_and_block(drafter, target.model, block_size, temperature, acceptance)
     greedy_draft = temperature > 0 and acceptance == "greedy_draft"
     model, eos = target.model, target.eos_ids
-    check_target(method, model)
     device = device_of(model)
     res = SpecResult(tokens=[])
     if max_new_tokens <= 0:
@@ -158,14 +233,10 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
     cache = target_cache.new_cache(model)
     rollback = target_cache.Rollback(model, rollback or getattr(target, "rollback", "record"))
     L = len(prompt_ids)
-    logits, feats, final = target_forward(model, torch.tensor([prompt_ids], device=device),
-                                          torch.arange(L, device=device)[None], cache, method.layer_ids,
-                                          last_only=True)
+    anchor, new_features, new_positions, verifier_hidden = _prefill(model, method, prompt_ids, cache, rollback, B,
+                                                                    temperature, generator)
     res.target_forwards = 1
-    rollback.start(cache, B)
-    anchor = int(logits[-1].argmax()) if temperature <= 0 else sample(probs(logits[-1], temperature), generator)
     output = [anchor]
-    new_features, new_positions, verifier_hidden = feats[None], torch.arange(L, device=device), final[-1]
     sync(device)
     res.prefill_s = time.perf_counter() - t_start
     done = anchor in eos or len(output) >= max_new_tokens
@@ -177,41 +248,14 @@ def speculative(target, drafter, prompt_ids: list[int], max_new_tokens: int, blo
         drafts = prop.tokens.to(device)
         sync(device)
         t1 = time.perf_counter()
-        if prop.tree is not None:  # one forward over the tree, greedy walk, the cache compacted to the path
-            verdict = verify_tree(model, cache, L, anchor, prop.tree, method.layer_ids)
-            n, next_anchor, accepted = len(verdict.path), verdict.next_anchor, verdict.tokens
-            feats, verifier_hidden = verdict.features, verdict.final[-1]
-        else:
-            ids = torch.cat([torch.tensor([anchor], device=device), drafts])[None]  # (1, 1 + drafts)
-            positions = torch.arange(L, L + ids.shape[1], device=device)[None]
-            rollback.before(cache)
-            logits, feats, final = target_forward(model, ids, positions, cache, method.layer_ids)  # (1+d, ...)
-            if temperature <= 0:
-                n, next_anchor = _accept_greedy(drafts, logits)
-            else:
-                q = one_hot_q(drafts, logits.shape[-1]) if greedy_draft else prop.q.to(device)
-                n, next_anchor = _accept_sampling(drafts, q, logits, temperature, generator)
-            # keep anchor + accepted drafts (a recurrent target's state too: target.rollback)
-            rollback.after(cache, L + n + 1, ids[:, : n + 1], positions[:, : n + 1])
-            accepted, verifier_hidden = drafts[:n].tolist(), final[n]
+        n, next_anchor, accepted, feats, verifier_hidden = _verify(model, cache, rollback, method.layer_ids, prop,
+                                                                   drafts, L, anchor, temperature, greedy_draft,
+                                                                   generator)
         res.target_forwards += 1
         sync(device)
         t2 = time.perf_counter()
-        res.accepted.append(n)
-        res.verified.append(len(drafts))
-        res.drafted.append(prop.drafted)
-        res.draft_s.append(t1 - t0)
-        res.select_s.append(prop.select_s)
-        res.scorings.append(prop.scorings)
-        res.verify_s.append(t2 - t1)
-        new = accepted + [next_anchor]
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new, done = new[: i + 1], True
-                break
-        output += new
-        if len(output) >= max_new_tokens:
-            output, done = output[:max_new_tokens], True
+        _record_round(res, prop, n, len(drafts), t1 - t0, t2 - t1)
+        output, done = _commit(output, accepted + [next_anchor], eos, max_new_tokens)
         new_features, new_positions = feats[None, : n + 1], torch.arange(L, L + n + 1, device=device)
         L, anchor = L + n + 1, next_anchor
     res.tokens = output
