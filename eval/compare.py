@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.runtime.files import atomic_path
-from dflash_pipeline.runtime.stages import recorded_stage_dir, stage_of_export
+from dflash_pipeline.runtime.stages import marker, recorded_stage_dir, stage_of_export
 
 # Config keys that never explain a difference in results (where outputs go, how often to log, ...).
 NOISE = {"name", "cache_dir", "trainer.out_dir", "teacher.out_dir", "eval.out_dir", "trainer.data_dir",
@@ -55,7 +55,7 @@ def flatten(node, prefix: str = "") -> dict:
 
 
 def has_results(folder: Path) -> bool:
-    return (recorded_stage_dir(folder, "eval") / "eval_results.json").is_file() or \
+    return marker("eval", recorded_stage_dir(folder, "eval")).is_file() or \
         (recorded_stage_dir(folder, "train") / "metrics.jsonl").is_file()
 
 
@@ -92,7 +92,7 @@ def read_stages(eval_dir: Path | None, train_dir: Path | None, label: str = "") 
     """The metrics the eval and train stages wrote in these folders (either may be None or missing). Held-out tau
     comes from the eval stage when it ran, else from the training run's last held-out evaluation."""
     run = Run(label=label)
-    results_file = eval_dir / "eval_results.json" if eval_dir is not None else None
+    results_file = marker("eval", eval_dir) if eval_dir is not None else None
     if results_file is not None and results_file.is_file():
         results = json.loads(results_file.read_text())
         held = results["offline"].get("teacher_heldout")

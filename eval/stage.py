@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.runtime import stages
-from dflash_pipeline.runtime.stages import component_export, config_hash, recorded_hash, run_dir_of, stage_dir
+from dflash_pipeline.runtime.stages import MARKERS, component_export, config_hash, recorded_hash, run_dir_of, stage_dir
 from dflash_pipeline.eval import costs, report
 from dflash_pipeline.eval import served as served_eval
 from dflash_pipeline.eval.exactness import ExactnessJudge
@@ -44,7 +44,7 @@ from dflash_pipeline.runtime.progress import Progress
 
 log = logging.getLogger(__name__)
 
-RESULTS = "eval_results.json"
+RESULTS = MARKERS["eval"]
 
 
 @dataclass

@@ -152,12 +152,20 @@ def recorded_stage_dir(run_folder: str | Path, stage: str) -> Path:
     return Path(run_folder) / (out or default)
 
 
+MARKERS = {"teacher": "plan.json", "eval": "eval_results.json"}  # a training stage's: done.json
+
+
+def marker(stage: str, folder: str | Path) -> Path:
+    """The file in a stage's folder that records its config hash: the teacher's plan (written when it starts), a
+    training stage's done.json and the eval's results (written last: they also say the stage is complete)."""
+    return Path(folder) / MARKERS.get(stage.split("/")[0], "done.json")
+
+
 def recorded_hash(stage: str, folder: Path) -> str | None:
     """The config hash a stage's output folder was made with (the teacher: started with); None when there is none.
     The train and eval stages write their marker last, so for them a hash also says the stage is complete."""
-    marker = {"teacher": "plan.json", "eval": "eval_results.json"}.get(stage, "done.json")
     try:
-        return json.loads((folder / marker).read_text()).get("config_hash")
+        return json.loads(marker(stage, folder).read_text()).get("config_hash")
     except (OSError, ValueError):
         return None
 

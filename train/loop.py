@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.runtime.stages import (config_hash, export_dir, frozen_drafter, recorded_hash, run_dir_of,
-                                            teacher_dir, train_stage)
+from dflash_pipeline.runtime.stages import (config_hash, export_dir, frozen_drafter, marker, recorded_hash,
+                                            run_dir_of, teacher_dir, train_stage)
 from dflash_pipeline.runtime.files import follow_umask
 from dflash_pipeline.data.splits import split_points
 from dflash_pipeline.conf import catalogue
@@ -121,7 +121,7 @@ def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, dra
     derived = entry.on_frozen_drafter  # cheap, and a function of the drafter: retrained when its config changes
     if finished is not None and finished != digest and not t.resume and derived:
         log.warning("%s holds a finished %s of another config; training it again for config %s", out, name, digest)
-        (out / "done.json").unlink(missing_ok=True)
+        marker(stage, out).unlink(missing_ok=True)
     elif finished is not None and finished != digest and not t.resume:
         raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
                          "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
@@ -205,7 +205,8 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     with parallel.unsharded() as trained:
         if accelerator.is_main_process:
             comp.export(trained, export_dir(out))
-            (out / "done.json").write_text(json.dumps({"config_hash": stage.digest, "steps": t.steps}))
+            done = {"config_hash": stage.digest, "steps": t.steps}
+            marker(train_stage(name), out).write_text(json.dumps(done))
             log.info("exported the trained %s to %s", name, export_dir(out))
     accelerator.wait_for_everyone()
     logger.finish()
