@@ -128,11 +128,12 @@ def _evaluate(cfg: DictConfig, teacher_dir: Path, train_dir: Path, digest: str, 
              references.folder)
     header = Header.of(s, digest, prompts, references, numerics(s.target, teacher_dir, e.near_tie_tolerance))
     heldout, note = teacher_heldout_items(cfg, teacher_dir, s.drafter_dir, s.target, s.layer_ids)
+    # before the policies are calibrated on these sequences: their figures here are at the policies' defaults
+    held = offline(s, heldout, "teacher_heldout", note=note) if heldout else None
     if not heldout:
         log.warning("no offline metrics on held-out teacher data: %s", note)
     ctx, policies = calibrate(s, heldout or [], prompts)
-    record = EvalRecord(header, offline(s, heldout, "teacher_heldout", note=note) if heldout else None, note,
-                        {**ctx.report(), "calibration_sequences": len(ctx.calibration)}, policies)
+    record = EvalRecord(header, held, note, {**ctx.report(), "calibration_sequences": len(ctx.calibration)}, policies)
     for label, ps in prompts.items():
         record.sets[label] = evaluate_set(s, label, ps, replies[label], ctx, room)
     if e.served.engine:  # after the own loop's timing, so that no engine process shares the cores with it
