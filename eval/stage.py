@@ -4,8 +4,9 @@ Build, run, close: `build` loads the target, the exported drafter and every meth
 `_evaluate` runs the named steps, each in the module whose name says it: the inputs (eval/inputs.py: prompts, the
 target's replies, the held-out teacher sequences), the teacher-forced metrics (eval/metrics.py, eval/tree.py), the
 cost curve and the policies' calibration (eval/costs.py), the online passes of every method on every set
-(eval/online.py), and the served run (eval/served.py); `run_eval` is the stage's bookkeeping (config hash, skip,
-threads), and eval/report.py writes the outputs.
+(eval/online.py), and the served run (eval/served.py), and assembles what they return into the typed record
+(eval/results.py); `run_eval` is the stage's bookkeeping (config hash, skip, threads), and eval/report.py alone
+writes the record out.
 
 Outputs (atomic): eval_results.json, results.md, acceptance.png, metrics.jsonl (+ wandb with logger=wandb).
 """
