@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 from dflash_pipeline.runtime.files import save_safetensors, write_text

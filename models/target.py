@@ -81,8 +81,8 @@ def load_target(cfg, cache_dir: str | Path, body: bool = True) -> Target:
     else:
         src = resolve_pretrained(cfg.kind, cfg.path, cfg.gguf_file, cache_dir)
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                                               output_loading_info=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                src, dtype=dtype, trust_remote_code=cfg.trust_remote_code, output_loading_info=True)
         except OSError as e:
             raise TargetError(f"cannot load target {cfg.path!r}: {str(e).splitlines()[0]}") from e
         except ValueError as e:  # transformers has no causal LM class for this config

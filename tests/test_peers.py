@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.data.blocks import anchor_candidates
-from dflash_pipeline.data.peers import (peer_loss_mask, peer_samples, prenorm_final_hidden, write_specforge,
+from dflash_pipeline.data.peers import (peer_samples, prenorm_final_hidden, write_specforge,
                                         write_speculators)
 from dflash_pipeline.data.shards import DatasetError, TeacherDataset
 from dflash_pipeline.models.drafter import DFlashDrafter, DFlashDrafterConfig
