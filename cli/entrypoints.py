@@ -126,9 +126,6 @@ def run_stages(cfg: DictConfig, run_dir: Path, stages: list[str], shared_dir: Pa
     dirs = stage_dirs(cfg, run_dir, shared_dir, tuple(dict.fromkeys(components)))
     outputs = {}
 
-    if cfg.export.gguf and ("train" in stages or "components" in stages):  # refused before anything runs
-        check_gguf_export(cfg)
-
     def train(name: str) -> None:
         stage = train_stage(name)
         with _measured(stage):
@@ -159,7 +156,8 @@ def _trained_components(cfg: DictConfig, stages: list[str]) -> list[str]:
 
 def _refuse_before_running(cfg: DictConfig, stages: list[str], components: list[str]) -> None:
     """Settings the stages cannot run with, refused in one line before the teacher or training runs: a selector
-    trained both jointly with the drafter and on its own, and an eval's unknown methods or unservable setup."""
+    trained both jointly with the drafter and on its own, an eval's unknown methods or unservable setup, and an
+    export.gguf that llama.cpp's converter cannot write."""
     if cfg.trainer.selector_loss_weight > 0 and "selector" in components:
         from dflash_pipeline.conf.schema import ConfigError
 
@@ -171,6 +169,8 @@ def _refuse_before_running(cfg: DictConfig, stages: list[str], components: list[
 
         check_names(cfg.eval.methods)
         check_served(cfg)
+    if cfg.export.gguf and ("train" in stages or "components" in stages):
+        check_gguf_export(cfg)
 
 
 def _run_stage(cfg: DictConfig, stage: str, dirs: dict[str, Path], shared_dir: Path | None, train) -> None:
