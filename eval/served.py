@@ -85,7 +85,8 @@ def sampled_set(engine: EnginePair, target, drafter, prompts: list[list[int]], b
             "own": distribution(target, prompts, own[rule], temperature)}
     k = block_size - 1
     other = next(r for r in ACCEPTANCE_RULES if r != rule)
-    verdict = sampled_gate(own[rule], both, k, alpha, rule, temperature, dist["served"], info, own[other])
+    verdict = sampled_gate(own[rule], both, k, alpha, rule, temperature, dist["served"], info, own[other],
+                           seeds=len(seeds))
     (log.info if verdict["pass"] else log.error)("%s: %s", label, verdict["line"])
     strip = lambda ds: [{k_: v for k_, v in d.items() if k_ != "output"} for d in ds]  # noqa: E731
     pooled, mine = significance.rate_table(both, k), significance.rate_table(own[rule], k)

@@ -7,11 +7,12 @@ which also covers a single batched run). Two questions, two tests:
   acceptance   per draft position k, the conditional rate a_k = (decodes' rounds that accepted >= k drafts) /
                (rounds that reached k), served against own loop: a two-sided test per position (the difference
                over its cluster-robust standard error, against Student's t with one less degree of freedom than
-               the smaller side's decodes that reached k), Holm-corrected over the positions tested;
+               the smaller side's decodes that reached k), Holm-corrected over the positions tested; a side
+               with no drafts at all differs at position 1 (nothing to test is no pass);
   distribution whether sampled tokens follow the target's own distribution at this temperature: the randomised
                probability integral transform u = P(tokens likelier than x) + V * p(x), V ~ U(0, 1), is uniform on
-               [0, 1) exactly when x ~ p; a chi-square over equal bins of u. A lower-but-exact rule passes it, a
-               biased sampler does not.
+               [0, 1) exactly when x ~ p; a chi-square over equal bins of u (at least 5 values a bin, else no
+               test, which the gate fails). A lower-but-exact rule passes it, a biased sampler does not.
 """
 from __future__ import annotations
 
@@ -78,9 +79,12 @@ def rate_table(decodes: list[dict], positions: int, z: float = 1.96) -> dict:
 def compare_positions(own: list[dict], served: list[dict], positions: int, alpha: float) -> dict:
     """Per position: served a_k against own a_k, two-sided t tests, Holm's step-down at family level `alpha`.
 
-    Returns {"differ": [1-based positions that differ], "tests": [{position, own, served, z, p}]}; a position is
-    tested when both sides reached it and either accepted there."""
+    Returns {"differ": [1-based positions that differ], "tests": [{position, own, served, z, p}], "empty": [the
+    sides with no drafts]}; a position is tested when both sides reached it and either accepted there. A side
+    without drafts makes position 1 differ: an engine that drafted nothing must not pass by leaving nothing to test
+    (a later position one side never reached is judged by the position before it)."""
     tests = []
+    empty = [side for side, ds in (("own", own), ("served", served)) if not sum(d["drafts"] for d in ds)]
     for k in range(positions):
         so, no = _per_decode(own, k)
         ss, ns = _per_decode(served, k)
@@ -89,7 +93,10 @@ def compare_positions(own: list[dict], served: list[dict], positions: int, alpha
         pooled = (sum(so) + sum(ss)) / (sum(no) + sum(ns))
         ro, seo = ratio(so, no, pooled)
         rs, ses = ratio(ss, ns, pooled)
-        z = (rs - ro) / math.sqrt(seo ** 2 + ses ** 2)
+        se = math.sqrt(seo ** 2 + ses ** 2)
+        # the binomial floor leaves no variance only at a pooled rate of 1: both sides accepted every draft that
+        # reached k, no difference (z 0); a difference over no variance would be certain
+        z = (rs - ro) / se if se > 0 else (0.0 if rs == ro else math.copysign(math.inf, rs - ro))
         # few decodes make the cluster-robust variance optimistic: Student's t on the smaller side's decodes - 1
         df = max(1, min(sum(n > 0 for n in no), sum(n > 0 for n in ns)) - 1)
         tests.append({"position": k + 1, "own": ro, "served": rs, "z": z, "df": df,
@@ -99,7 +106,9 @@ def compare_positions(own: list[dict], served: list[dict], positions: int, alpha
         if t["p"] > alpha / (m - i):
             break
         differ.append(t["position"])
-    return {"differ": sorted(differ), "tests": tests, "alpha": alpha}
+    if len(empty) == 1 and positions:  # one side drafted, the other not: they differ from the first position
+        differ.append(1)
+    return {"differ": sorted(set(differ)), "tests": tests, "alpha": alpha, "empty": empty}
 
 
 @torch.no_grad()
@@ -122,11 +131,13 @@ def pit_values(model, prompt_ids: list[int], output_ids: list[int], temperature:
 
 
 def uniformity(u: list[float], bins: int = 10) -> dict:
-    """Chi-square of PIT values against the uniform over `bins` equal bins: {"n", "chi2", "p", "counts"}."""
+    """Chi-square of PIT values against the uniform over `bins` equal bins: {"n", "needed", "chi2", "p", "counts"};
+    below `needed` (5 expected per bin) chi2 and p are None: too few values to test, which the gate fails."""
     counts = [0] * bins
     for x in u:
         counts[min(bins - 1, int(x * bins))] += 1
-    if len(u) < 5 * bins:
-        return {"n": len(u), "chi2": None, "p": None, "counts": counts}
+    needed = 5 * bins
+    if len(u) < needed:
+        return {"n": len(u), "needed": needed, "chi2": None, "p": None, "counts": counts}
     res = stats.chisquare(counts)
-    return {"n": len(u), "chi2": float(res.statistic), "p": float(res.pvalue), "counts": counts}
+    return {"n": len(u), "needed": needed, "chi2": float(res.statistic), "p": float(res.pvalue), "counts": counts}
