@@ -146,6 +146,36 @@ def _free_port() -> int:
 
 
 METRIC = re.compile(r"^llamacpp:(spec_decode_\w+?)(?:\{position=\"(\d+)\"\})?\s+([0-9.eE+-]+)$")
+COUNTERS = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
+            "spec_decode_num_accepted_tokens_total": "accepted"}
+PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def parse_metrics(text: str, drafts_per_round: int, drafter: bool) -> dict:
+    """llama-server's speculative counters from its /metrics text (Prometheus, `llamacpp:` names): {drafts,
+    draft_tokens, accepted, accepted_per_pos}. With a drafter loaded a counter missing is an error naming it, not a
+    0: a renamed metric would otherwise read as an engine that drafts nothing, and its gate would compare zeros (the
+    per-position counter is needed once a draft was accepted; a server without a drafter may have none)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * drafts_per_round}
+    seen = set()
+    for line in text.splitlines():
+        m = METRIC.match(line.strip())
+        if not m:
+            continue
+        name, pos, value = m.group(1), m.group(2), int(float(m.group(3)))
+        if pos is not None and name == PER_POS:
+            seen.add(name)
+            if int(pos) < drafts_per_round:
+                out["accepted_per_pos"][int(pos)] = value
+        elif name in COUNTERS:
+            seen.add(name)
+            out[COUNTERS[name]] = value
+    missing = [f"llamacpp:{n}" for n in COUNTERS if n not in seen] + (
+        [f"llamacpp:{PER_POS}"] if out["accepted"] and PER_POS not in seen else [])
+    if drafter and missing:
+        raise LlamaCppError(f"llama-server's /metrics lacks {', '.join(missing)} with a drafter loaded: this build "
+                            f"names its speculative counters otherwise (models/llamacpp_engine.py METRIC)")
+    return out
 
 
 class LlamaServer:
@@ -158,6 +188,7 @@ class LlamaServer:
                  omp_wait: str | None = None):
         p = paths(cache_dir)
         self.port, self.drafts_per_round, self.log_file = _free_port(), block_size - 1, log_file
+        self.drafter, self.counter_timeout = drafter is not None, 10.0  # seconds a slot's counters may take
         # what the served eval records of an engine (models/vllm_engine.py has the same): no self-checks here
         self.version, self.checks, self.repaired = f"llama.cpp b{p.get('version', BUILD)}", {}, []
         cmd = [p["server"], "-m", str(target), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
@@ -200,22 +231,25 @@ class LlamaServer:
         return self
 
     def counters(self) -> dict:
+        """The server's cumulative speculative counters (parse_metrics)."""
         with urllib.request.urlopen(self._url("/metrics"), timeout=30) as r:
-            text = r.read().decode()
-        out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * self.drafts_per_round}
-        names = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
-                 "spec_decode_num_accepted_tokens_total": "accepted"}
-        for line in text.splitlines():
-            m = METRIC.match(line.strip())
-            if not m:
-                continue
-            name, pos, value = m.group(1), m.group(2), int(float(m.group(3)))
-            if pos is not None and name == "spec_decode_num_accepted_tokens_per_pos_total":
-                if int(pos) < self.drafts_per_round:
-                    out["accepted_per_pos"][int(pos)] = value
-            elif name in names:
-                out[names[name]] = value
-        return out
+            return parse_metrics(r.read().decode(), self.drafts_per_round, self.drafter)
+
+    def counters_after(self, before: dict, want: int, timeout: float | None = None) -> dict:
+        """The counters once the request's `want` draft tokens (its reply's timings.draft_n) have reached /metrics,
+        which counts them when the slot is released, just after the reply; not there within `timeout` (default
+        self.counter_timeout) is an error: the scrapes of the next request would book them to it."""
+        timeout = self.counter_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            after = self.counters()
+            got = after["draft_tokens"] - before["draft_tokens"]
+            if got >= want:
+                return after
+            if time.monotonic() > deadline:
+                raise LlamaCppError(f"llama-server's /metrics counted {got} of a request's {want} draft tokens within "
+                                    f"{timeout:g} s of its reply: its counters would go to the next request")
+            time.sleep(0.01)
 
     def _post(self, body: dict) -> dict:
         req = urllib.request.Request(self._url("/completion"), data=json.dumps(body).encode(),
@@ -251,14 +285,7 @@ class LlamaServer:
             tokens = list(reply.get("tokens") or [])
             cut = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
             outputs.append(tokens[:cut])
-            timings = reply.get("timings", {})
-            want = timings.get("draft_n", 0)
-            deadline = time.monotonic() + 10
-            while True:  # the slot's counters reach /metrics when it is released, just after the reply
-                after = self.counters()
-                if after["draft_tokens"] - before["draft_tokens"] >= want or time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
+            after = self.counters_after(before, reply.get("timings", {}).get("draft_n", 0))
             spec.append({k: (after[k] - before[k]) if k != "accepted_per_pos" else
                          [a - b for a, b in zip(after[k], before[k])] for k in after})
         return {"outputs": outputs, "seconds": seconds, "spec": spec}

@@ -1,11 +1,149 @@
-"""The gates without an engine (eval/gates.py, eval/significance.py): a gate that received nothing to compare, an
-engine that drafted nothing, a statistic without variance or without enough samples must each fail in one line,
-never pass."""
+"""The gates without an engine (eval/gates.py, eval/significance.py) and llama-server's counters as
+models/llamacpp_engine.py reads them, against a stand-in HTTP server: a gate that received nothing to compare, an
+engine that drafted nothing, a statistic without variance or without enough samples, a counter that is missing or
+late must each fail in one line, never pass."""
 from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from dflash_pipeline.eval import gates, significance
+from dflash_pipeline.models import llamacpp_engine
+
+# llama-server's /metrics (build 11434, `--metrics`) after 130 rounds of a block-4 drafter: its counters as HELP /
+# TYPE / value lines, the per-position counter labelled by position (0-based), gauges between
+METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1710
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 192
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 136
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 390
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 52
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 130
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 851.064
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 0
+# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 22
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 16
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 14
+"""
+PLAIN = "\n".join(line for line in METRICS.splitlines() if "spec_decode" not in line) + "\n"
+
+
+class StandIn:
+    """A local HTTP server answering as llama-server does: GET /metrics with `metrics(posted)` (posted: the
+    completions served so far), POST /completion with `reply`."""
+
+    def __init__(self, metrics, reply: dict):
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, body: bytes, kind: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802
+                self._send(metrics(stand_in.posted).encode(), "text/plain; version=0.0.4")
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                stand_in.posted += 1
+                self._send(json.dumps(reply).encode(), "application/json")
+
+            def log_message(self, *args):
+                pass
+
+        self.posted = 0
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def server(self, drafter: bool = True, block_size: int = 4) -> llamacpp_engine.LlamaServer:
+        """A LlamaServer on this port, constructed without a process (nothing to start: __init__ is skipped)."""
+        s = llamacpp_engine.LlamaServer.__new__(llamacpp_engine.LlamaServer)
+        s.port, s.drafts_per_round, s.log_file, s._ready = self.http.server_address[1], block_size - 1, None, True
+        s.drafter, s.counter_timeout = drafter, 0.3
+        return s
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def stand_in():
+    made = []
+
+    def make(metrics, reply=None):
+        made.append(StandIn(metrics, reply or {"tokens": [5, 6, 7], "timings": {}}))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+# -- llama-server's /metrics -----------------------------------------------------------------------------------------
+def test_llama_server_metrics_parse_into_the_counters(stand_in):
+    """The recorded text gives the counters the gate reads: drafts (rounds), draft tokens, accepted, per position."""
+    counts = stand_in(lambda _: METRICS).server().counters()
+    assert counts == {"drafts": 130, "draft_tokens": 390, "accepted": 52, "accepted_per_pos": [22, 16, 14]}
+    assert stand_in(lambda _: PLAIN).server(drafter=False).counters() == {
+        "drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0, 0, 0]}  # no drafter: nothing drafted
+
+
+def test_a_speculative_counter_missing_with_a_drafter_is_an_error_naming_it(stand_in):
+    """A counter renamed by another build must not read as 0 (an engine that drafts nothing, or accepts nothing at a
+    position): with a drafter loaded the reading fails naming the missing metrics."""
+    renamed = METRICS.replace("spec_decode_num_drafts_total", "spec_decode_num_draft_steps_total")
+    with pytest.raises(llamacpp_engine.LlamaCppError, match=r"lacks llamacpp:spec_decode_num_drafts_total with a "
+                                                            r"drafter loaded"):
+        stand_in(lambda _: renamed).server().counters()
+    no_per_pos = "\n".join(line for line in METRICS.splitlines() if "per_pos" not in line)
+    with pytest.raises(llamacpp_engine.LlamaCppError, match="lacks llamacpp:spec_decode_num_accepted_tokens_per_pos"):
+        stand_in(lambda _: no_per_pos).server().counters()
+    with pytest.raises(llamacpp_engine.LlamaCppError, match="spec_decode_num_draft_tokens_total"):
+        stand_in(lambda _: PLAIN).server().counters()  # a drafter that did not load its counters
+
+
+def test_a_request_s_counters_are_its_own_or_an_error(stand_in):
+    """A request's counters are the difference of the scrapes around it, once /metrics has counted its reply's
+    draft tokens; counters that do not arrive within the wait are an error (they would be booked to the next
+    request), not a silent delta."""
+    after = METRICS.replace("draft_tokens_total 390", "draft_tokens_total 396").replace(
+        "drafts_total 130", "drafts_total 132").replace("accepted_tokens_total 52", "accepted_tokens_total 55").replace(
+        'position="0"} 22', 'position="0"} 24').replace('position="1"} 16', 'position="1"} 17')
+    reply = {"tokens": [5, 6, 7, 8, 9], "timings": {"draft_n": 6, "draft_n_accepted": 3}}
+    counted = stand_in(lambda posted: after if posted else METRICS, reply).server()
+    res = counted.generate([[1, 2, 3]], 5, [])
+    assert res["outputs"] == [[5, 6, 7, 8, 9]]
+    assert res["spec"] == [{"drafts": 2, "draft_tokens": 6, "accepted": 3, "accepted_per_pos": [2, 1, 0]}]
+    late = stand_in(lambda _: METRICS, reply).server()  # the slot's counters never reach /metrics
+    with pytest.raises(llamacpp_engine.LlamaCppError, match=r"counted 0 of a request's 6 draft tokens within 0.3 s .*"
+                                                            r"next request"):
+        late.generate([[1, 2, 3]], 5, [])
+
 
 # -- the own loop's counts -------------------------------------------------------------------------------------------
 def test_own_counts_follow_the_engine_s_draft_budget():
