@@ -394,8 +394,8 @@ class TrainerConfig:
     grad_accum: int = ranged(1, ge=1)  # micro-batches per process per step
     anchors_per_sequence: int = ranged(48, ge=1)
     # a token budget per step (long sequences of mixed lengths): a step takes sequences until their tokens reach it,
-    # at most batch_sequences and at least one per micro-batch, cut into micro-batches of even token counts (memory
-    # follows tokens_per_step / (processes x grad_accum)); None: batch_sequences sequences per step
+    # at most batch_sequences (the same steps on any process count), cut into micro-batches of even token counts
+    # (memory follows tokens_per_step / (processes x grad_accum)); None: batch_sequences sequences per step
     tokens_per_step: Optional[int] = ranged(None, ge=1)
     # memory (docs/results/memory.md): the drafter's logits and block losses are computed this many MB of logits at a
     # time, each slice recomputed in the backward (0: all logits at once); per-layer activation checkpointing

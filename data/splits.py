@@ -53,25 +53,24 @@ def step_batch(train_idx: list[int], step: int, batch_size: int, seed: int) -> l
 
 class TokenBudgetSteps:
     """Global batches by a token budget (trainer.tokens_per_step): consecutive sequences of the same per-epoch
-    permutations as step_batch, each step taking sequences until their tokens reach `budget` (at most `most`, and at
-    least one per micro-batch: `parts`). Returned longest first, so the micro-batches cut from them (split_points)
-    hold sequences of like lengths and little padding. A function of (seed, step); a step's start is the sum of the
+    permutations as step_batch, each step taking sequences until their tokens reach `budget` (at most `most`; a
+    sequence longer than the budget is a step alone). Returned longest first, so the micro-batches cut from them
+    (split_points) hold sequences of like lengths and little padding. A function of (seed, step) alone, never of the
+    process count: a checkpoint resumes on any number of processes to the same steps. A step's start is the sum of the
     steps before it, computed once and kept."""
 
     def __init__(self, train_idx: list[int], length, seed: int, budget: int, most: int):
         self.train_idx, self.length, self.seed, self.budget, self.most = train_idx, length, seed, budget, most
-        self.starts, self.parts = [0], None
+        self.starts = [0]
 
     def _index(self, pos: int) -> int:
         epoch, j = divmod(pos, len(self.train_idx))
         return self.train_idx[int(_epoch_order(len(self.train_idx), self.seed, epoch)[j])]
 
-    def __call__(self, step: int, parts: int = 1) -> list[int]:
-        if parts != self.parts:
-            self.starts, self.parts = [0], parts
+    def __call__(self, step: int) -> list[int]:
         while len(self.starts) <= step + 1:
             pos, tokens = self.starts[-1], 0
-            while pos - self.starts[-1] < max(parts, 1) or (tokens < self.budget and pos - self.starts[-1] < self.most):
+            while pos == self.starts[-1] or (tokens < self.budget and pos - self.starts[-1] < self.most):
                 tokens += self.length(self._index(pos))
                 pos += 1
             self.starts.append(pos)
@@ -80,10 +79,11 @@ class TokenBudgetSteps:
 
 
 def split_points(sizes: list[int], parts: int) -> list[tuple[int, int]]:
-    """(start, stop) of `parts` contiguous, non-empty runs of items whose sizes add up about evenly (the micro-batches
-    of a step over processes x grad_accum): equal counts when the sizes are equal."""
+    """(start, stop) of `parts` contiguous runs of items whose sizes add up about evenly (the micro-batches of a step
+    over processes x grad_accum): equal counts when the sizes are equal. With fewer items than parts (a token-budget
+    step of a few long sequences), one item each to the first runs and the last runs empty (start == stop)."""
     if len(sizes) < parts:
-        raise ValueError(f"{len(sizes)} sequences cannot fill {parts} micro-batches (processes x trainer.grad_accum)")
+        return [(min(i, len(sizes)), min(i + 1, len(sizes))) for i in range(parts)]
     prefix = [0]
     for size in sizes:
         prefix.append(prefix[-1] + size)

@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.runtime.stages import config_hash, stage_config
+from dflash_pipeline.runtime.stages import config_diff, config_hash, stage_config
 from dflash_pipeline.runtime.files import write_json
 from dflash_pipeline.data.shards import (FEATURE_DTYPES, FORMAT_VERSION, DatasetError, TeacherDataset,
                                          read_shard_record, write_shard)
@@ -281,19 +281,6 @@ def plan_shards(target: Target, convs: list[dict], shard_size: int) -> list[list
     lengths = [len(chat_segments(target.tokenizer, c["messages"], 1)[0]) for c in convs]
     order = sorted(range(len(convs)), key=lambda i: (bool(convs[i].get("prefill")), lengths[i]))
     return [order[i: i + shard_size] for i in range(0, len(order), shard_size)]
-
-
-def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested config dicts."""
-    keys = sorted(set(old) | set(new))
-    out = []
-    for k in keys:
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_diff(a, b, f"{prefix}{k}.")
-        elif a != b:  # a config choice (an Enum of str) shown as its plain value, as the stored config has it
-            out.append(f"{prefix}{k}: {getattr(a, 'value', a)!r} -> {getattr(b, 'value', b)!r}")
-    return out
 
 
 def check_existing(out: Path, digest: str, config: dict) -> str:

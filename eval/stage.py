@@ -22,7 +22,8 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.conf.schema import check_config
 from dflash_pipeline.runtime import stages
-from dflash_pipeline.runtime.stages import MARKERS, component_export, config_hash, recorded_hash, run_dir_of, stage_dir
+from dflash_pipeline.runtime.stages import (MARKERS, component_export, config_hash, differences, recorded, run_dir_of,
+                                            same_config, set_aside, stage_dir)
 from dflash_pipeline.eval import costs, report
 from dflash_pipeline.eval import served as served_eval
 from dflash_pipeline.eval.exactness import ExactnessJudge
@@ -78,20 +79,21 @@ def run_eval(cfg: DictConfig, out: Path, teacher_dir: Path | None = None, train_
     offline metrics on the held-out part of `teacher_dir` (default: this run's teacher stage). Writes
     eval_results.json, results.md and acceptance.png in `out`. component_dirs: the stage folder of each component
     whose methods are evaluated (default: <train_dir>/<component>). Skipped when eval_results.json exists for the same
-    config; a different config's results are replaced (eval is read-only on its inputs: rerun with another
-    eval.out_dir to keep both)."""
+    config; a different config's results are moved aside to <out>/superseded/<their hash>/ (never deleted)."""
     check_config(cfg)
     e = cfg.eval
     check_names(e.methods)
-    digest = eval_hash(cfg)
+    digest, uses = eval_hash(cfg), components_used(cfg.eval.methods)
     results_file = out / RESULTS
-    old = recorded_hash("eval", out)
-    if old == digest:
+    old = recorded("eval", out)
+    if same_config(old, cfg, "eval", uses):
         log.info("evaluation already complete at %s (config %s): skipping", out, digest)
         log.info("results:\n%s", report.summary(json.loads(results_file.read_text()), out))
         return out
     if old is not None:
-        log.warning("%s holds results of config %s; replacing them with config %s", results_file, old, digest)
+        kept = set_aside(out, old)
+        log.warning("%s held results of another config (%s): moved to %s; evaluating config %s", out,
+                    differences(old, cfg, "eval", uses), kept, digest)
     labels = [dataset_source(name)[0] for name in e.datasets]  # fails early on a bad name
     if len(set(labels)) != len(labels):
         raise EvalError(f"eval.datasets {list(e.datasets)} give duplicate names {labels}")

@@ -17,9 +17,19 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 TEACHER_SECTIONS = ("seed", "target", "data", "teacher")
-# Keys that never change a stage's output: where outputs go, logging cadence, how a run is continued or launched, how
-# a producer hands features over (producer.spool, capacity, wait_s, launch).
-IGNORED = {"out_dir", "log_every", "save_every", "resume", "component", "spool", "capacity", "wait_s", "launch"}
+# Keys that never change a stage's output: where outputs go, logging and held-out cadence, how many checkpoints are
+# kept, how a run is continued or launched, how a producer hands features over (producer.spool, capacity, wait_s,
+# launch), and training's memory and speed settings (the logits' and the packed mask's slices, per-layer
+# recomputation): changing one and starting again continues the run (docs/pipeline.md, 'Restarts').
+IGNORED = {"out_dir", "log_every", "save_every", "resume", "component", "spool", "capacity", "wait_s", "launch",
+           "eval_every", "keep_checkpoints", "logits_chunk_mb", "attention_chunk_mb", "activation_checkpointing"}
+# Left out of the training stages' hash only: the attention kernel trains the same weights, but the eval decodes and
+# times with it.
+TRAINING_RUNTIME = {"drafter": ("attn_implementation",)}
+# The keys hashes were made without before the memory and speed settings joined IGNORED: a record that holds only
+# such a hash (a marker or checkpoint written by an earlier version) still matches its config.
+LEGACY_IGNORED = frozenset({"out_dir", "log_every", "save_every", "resume", "component", "spool", "capacity",
+                            "wait_s", "launch"})
 
 
 def component_of(stage: str) -> str:
@@ -53,28 +63,92 @@ def stage_sections(cfg: DictConfig, stage: str, uses: Iterable[str] | None = Non
     return list(dict.fromkeys(s for part in parts for s in part))
 
 
-def stage_config(cfg: DictConfig, stage: str, uses: Iterable[str] | None = None) -> dict:
+def stage_config(cfg: DictConfig, stage: str, uses: Iterable[str] | None = None, legacy: bool = False) -> dict:
     """The resolved part of the config that determines the stage's output. A training stage leaves out its sections'
-    decode-only keys (conf/catalogue.py: decode_only): they shape the eval's trees, not the weights."""
+    decode-only keys (conf/catalogue.py: decode_only): they shape the eval's trees, not the weights. legacy: the
+    config as an earlier version hashed it (LEGACY_IGNORED)."""
+    full = OmegaConf.to_container(cfg, resolve=True)
+    return strip_config({k: full[k] for k in stage_sections(cfg, stage, uses)}, stage, legacy)
+
+
+def strip_config(config: dict, stage: str, legacy: bool = False) -> dict:
+    """A stage's sections without the keys that change none of its output (IGNORED, decode-only and runtime keys):
+    applied to today's config and to the config a record holds, so both are compared under today's rules."""
     from dflash_pipeline.conf import catalogue
 
-    full = OmegaConf.to_container(cfg, resolve=True)
-    decode = dict(catalogue.decode_only()) if stage.startswith("train") else {}
+    drop = dict(catalogue.decode_only()) if stage.startswith("train") else {}
     if stage != "eval":  # how a recurrent target rolls back changes the eval's timing, never data or weights
-        decode["target"] = decode.get("target", ()) + ("rollback",)
+        drop["target"] = drop.get("target", ()) + ("rollback",)
+    if stage.startswith("train") and not legacy:
+        for section, keys in TRAINING_RUNTIME.items():
+            drop[section] = drop.get(section, ()) + keys
+    ignored = LEGACY_IGNORED if legacy else IGNORED
 
-    def strip(node, drop=()):
+    def strip(node, dropped=()):
         if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if k not in IGNORED and k not in drop}
+            return {k: strip(v) for k, v in node.items() if k not in ignored and k not in dropped}
         return node
 
-    return {k: strip(full[k], decode.get(k, ())) for k in stage_sections(cfg, stage, uses)}
+    return {k: strip(v, drop.get(k, ())) for k, v in config.items()}
 
 
-def config_hash(cfg: DictConfig, stage: str, uses: Iterable[str] | None = None) -> str:
-    """uses: the eval stage's components (stage_sections)."""
-    blob = json.dumps(stage_config(cfg, stage, uses), sort_keys=True)
+def config_hash(cfg: DictConfig, stage: str, uses: Iterable[str] | None = None, legacy: bool = False) -> str:
+    """uses: the eval stage's components (stage_sections); legacy: as stage_config."""
+    blob = json.dumps(stage_config(cfg, stage, uses, legacy), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def same_config(record: dict | None, cfg: DictConfig, stage: str, uses: Iterable[str] | None = None) -> bool:
+    """Whether a stage output's record (its marker, or a checkpoint's step.json) was made with this config: the config
+    it recorded equals today's under today's rules, or, where it recorded a hash alone, that hash is today's or the
+    one an earlier version computed for this config (LEGACY_IGNORED)."""
+    if not record:
+        return False
+    if isinstance(record.get("config"), dict):
+        return strip_config(record["config"], stage) == stage_config(cfg, stage, uses)
+    return record.get("config_hash") in (config_hash(cfg, stage, uses), config_hash(cfg, stage, uses, legacy=True))
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    keys = sorted(set(old) | set(new))
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:  # a config choice (an Enum of str) shown as its plain value, as the stored config has it
+            out.append(f"{prefix}{k}: {getattr(a, 'value', a)!r} -> {getattr(b, 'value', b)!r}")
+    return out
+
+
+def differences(record: dict, cfg: DictConfig, stage: str, uses: Iterable[str] | None = None, most: int = 5) -> str:
+    """What differs between the config a record was made with and this one, for a one-line refusal: the first
+    `most` differing keys, or the recorded hash where the record holds no config."""
+    if isinstance(record.get("config"), dict):
+        diff = config_diff(strip_config(record["config"], stage), stage_config(cfg, stage, uses))
+        if diff:
+            return "; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most else "")
+    return f"config hash {record.get('config_hash')}, now {config_hash(cfg, stage, uses)}"
+
+
+SUPERSEDED = "superseded"  # inside a stage folder: the outputs of earlier configs, each in a folder of its own
+
+
+def set_aside(folder: str | Path, record: dict) -> Path:
+    """Move everything a stage's folder holds (but earlier set-asides) to <folder>/superseded/<its config hash>/: the
+    outputs of another config are kept, never deleted, when a cheap stage (a component, the eval) is made again."""
+    folder = Path(folder)
+    dest = folder / SUPERSEDED / str(record.get("config_hash") or "unknown")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    dest.mkdir(parents=True)
+    for entry in sorted(folder.iterdir()):
+        if entry.name != SUPERSEDED:
+            entry.rename(dest / entry.name)
+    return dest
 
 
 EXPORT = "export"  # a training stage's exported model, in its folder: what engines and later stages load
@@ -161,13 +235,19 @@ def marker(stage: str, folder: str | Path) -> Path:
     return Path(folder) / MARKERS.get(stage.split("/")[0], "done.json")
 
 
-def recorded_hash(stage: str, folder: Path) -> str | None:
-    """The config hash a stage's output folder was made with (the teacher: started with); None when there is none.
-    The train and eval stages write their marker last, so for them a hash also says the stage is complete."""
+def recorded(stage: str, folder: str | Path) -> dict | None:
+    """The record of the config a stage's output folder was made with (its marker: the teacher's plan, written when
+    it starts; a training stage's done.json and the eval's results, written last, so for them a record also says the
+    stage is complete); None when there is none."""
     try:
-        return json.loads(marker(stage, folder).read_text()).get("config_hash")
+        return json.loads(marker(stage, folder).read_text())
     except (OSError, ValueError):
         return None
+
+
+def recorded_hash(stage: str, folder: Path) -> str | None:
+    """The config hash of the stage's record (recorded); None when there is none."""
+    return (recorded(stage, folder) or {}).get("config_hash")
 
 
 def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | None = None,
@@ -184,11 +264,11 @@ def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | No
     dirs = {stage: stage_dir(cfg, stage, run_dir) for stage in stages}
     if shared_dir is not None:
         teacher = stage_dir(cfg, "teacher", shared_dir)
-        if recorded_hash("teacher", teacher) in (None, config_hash(cfg, "teacher")):
+        if recorded("teacher", teacher) is None or same_config(recorded("teacher", teacher), cfg, "teacher"):
             dirs["teacher"] = teacher
         for stage in stages[1:-1]:  # a trained stage finished there with this very config
             theirs = stage_dir(cfg, stage, shared_dir)
-            if recorded_hash(stage, dirs[stage]) is None and recorded_hash(stage, theirs) == config_hash(cfg, stage):
+            if recorded(stage, dirs[stage]) is None and same_config(recorded(stage, theirs), cfg, stage):
                 dirs[stage] = theirs
     dirs["teacher"] = teacher_dir(cfg, run_dir, dirs["teacher"])
     return dirs

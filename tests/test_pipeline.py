@@ -139,8 +139,21 @@ def test_a_changed_component_setting_retrains_that_component_and_reruns_the_eval
              "eval.datasets=[mtbench]", "eval.turns=1", "eval.baseline_dtypes=[]", "eval.cost_repeats=1"]
     out = run_stages(make_config(*small), tmp_path, ["teacher", "components", "eval"])
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    # memory and speed settings change no output: nothing is made again
+    runtime = ["trainer.logits_chunk_mb=1", "trainer.activation_checkpointing=true", "drafter.attention_chunk_mb=1",
+               "trainer.eval_every=7", "trainer.keep_checkpoints=3"]
+    run_stages(make_config(*small, *runtime), tmp_path, ["teacher", "components", "eval"])
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == stamps
+    old_selector = json.loads((out["train"] / "selector" / "done.json").read_text())["config_hash"]
+    old_eval = json.loads((out["eval"] / "eval_results.json").read_text())["config_hash"]
     run_stages(make_config(*small, "selector.rank=8"), tmp_path, ["teacher", "components", "eval"])
     changed = {p for p in tmp_path.rglob("*") if p.is_file() and stamps.get(p) != p.stat().st_mtime_ns}
     assert out["train"] / "selector" / "done.json" in changed and out["eval"] / "eval_results.json" in changed
     untouched = [out["teacher"] / "manifest.json", out["train"] / "done.json", out["train"] / "jump" / "done.json"]
     assert not changed & set(untouched)
+    # what the earlier config wrote is kept, moved aside under its hash, never deleted
+    for folder, digest, files in ((out["train"] / "selector", old_selector, ["done.json", "export/model.safetensors"]),
+                                  (out["eval"], old_eval, ["eval_results.json", "results.md"])):
+        kept = folder / "superseded" / digest
+        for name in files:
+            assert (kept / name).is_file() and stamps[folder / name] == (kept / name).stat().st_mtime_ns, name

@@ -173,7 +173,7 @@ def test_token_budget_steps_take_sequences_to_the_budget_and_cut_even_micro_batc
     lengths = {i: 100 * (1 + i % 7) for i in range(40)}  # 100 .. 700 tokens
     train = list(range(40))
     steps = TokenBudgetSteps(train, lengths.__getitem__, seed=3, budget=1500, most=16)
-    batches = [steps(s, parts=2) for s in range(30)]
+    batches = [steps(s) for s in range(30)]
     for b in batches:
         tokens = sum(lengths[i] for i in b)
         assert 2 <= len(b) <= 16 and 1500 <= tokens < 1500 + 700  # stops at the first sequence that reaches it
@@ -181,18 +181,63 @@ def test_token_budget_steps_take_sequences_to_the_budget_and_cut_even_micro_batc
     # the same stream of sequences as the fixed-count batches (epoch permutations), only cut by tokens
     flat = [i for b in batches for i in b]
     assert sorted(flat) == sorted(step_batch(train, 0, len(flat), 3))
-    assert TokenBudgetSteps(train, lengths.__getitem__, 3, 1500, 16)(17, parts=2) == batches[17]  # resumable
-    # one sequence longer than the budget still makes a step; every micro-batch gets one
-    assert len(TokenBudgetSteps(train, lambda i: 10**6, 3, 1500, 16)(0, parts=4)) == 4
+    assert TokenBudgetSteps(train, lengths.__getitem__, 3, 1500, 16)(17) == batches[17]  # resumable
+    # one sequence longer than the budget is a step alone, whatever the process count
+    assert len(TokenBudgetSteps(train, lambda i: 10**6, 3, 1500, 16)(0)) == 1
 
     assert split_points([1] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]  # equal counts: the fixed-count split
     runs = split_points([700, 600, 500, 300, 200, 100, 100], 2)
     assert runs == [(0, 2), (2, 7)]  # 1300 and 1200 tokens
-    with pytest.raises(ValueError, match="3 sequences cannot fill 4 micro-batches"):
-        split_points([1, 2, 3], 4)
+    # fewer sequences than micro-batches: one each to the first, the rest empty
+    assert split_points([3, 2, 1], 4) == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    assert split_points([5], 2) == [(0, 1), (1, 1)]
+
+
+def test_token_budget_steps_do_not_depend_on_the_process_count(tiny_teacher):
+    """A step of trainer.tokens_per_step is a function of (seed, step): the component never sees the process count,
+    and the loop cuts the same global batch into any number of micro-batches (some empty when it holds fewer
+    sequences), so the union of every process's runs is the step."""
+    import inspect
+
+    from dflash_pipeline.data.splits import split_points
+
+    from dflash_pipeline.data.shards import TeacherDataset
+
+    data = TeacherDataset(tiny_teacher)
+    budget = sorted(data.length(i) for i in range(len(data.ids)))[len(data.ids) // 2]  # the median sequence's tokens
+    comp = DrafterComponent(make_config(f"trainer.tokens_per_step={budget}", "trainer.batch_sequences=8"),
+                            StageInputs(tiny_teacher), torch.device("cpu"))
+    assert list(inspect.signature(comp.step_items).parameters) == ["step"]
+    steps = [comp.step_items(s) for s in range(6)]
+    assert any(len(b) == 1 for b in steps) and any(len(b) > 1 for b in steps)  # some sequences exceed the budget
+    for items in steps:
+        for parts in (1, 2, 8):
+            runs = split_points(comp.item_sizes(items), parts)
+            assert len(runs) == parts and [i for a, b in runs for i in items[a:b]] == items
+
+
+# the settings that change memory and speed, not the weights (runtime/stages.py IGNORED, TRAINING_RUNTIME)
+RUNTIME_CHANGES = ("trainer.logits_chunk_mb=0.001", "trainer.activation_checkpointing=true",
+                   "drafter.attention_chunk_mb=0.001", "drafter.attn_implementation=eager", "trainer.eval_every=3",
+                   "trainer.keep_checkpoints=3", "trainer.log_every=1")
+
+
+def test_memory_and_speed_settings_leave_every_stage_hash_as_it_is():
+    from dflash_pipeline.runtime.stages import config_hash
+
+    base = make_config()
+    for change in RUNTIME_CHANGES:
+        changed = make_config(change)
+        for stage in ("train", "train/selector", "train/weaver"):
+            assert config_hash(changed, stage) == config_hash(base, stage), (change, stage)
+    # what does change the weights still changes the hash
+    assert config_hash(make_config("trainer.lr=1e-3"), "train") != config_hash(base, "train")
 
 
 def test_rerun_of_a_killed_run_resumes_and_repeats_the_losses_of_an_uninterrupted_run(tiny_teacher, tmp_path, monkeypatch):
+    """A killed run started again goes on from its checkpoint to the uninterrupted run's losses and weights, with its
+    memory and speed settings changed (the user who lowers trainer.logits_chunk_mb after running out of memory); a
+    restart with another config is refused in one line naming the key, and its checkpoints are kept."""
     cfg = make_config("trainer.steps=4", "trainer.save_every=2")
     full = run_train(cfg, tmp_path / "full", data_dir=tiny_teacher)
     real_batch = DrafterComponent.batch
@@ -206,9 +251,22 @@ def test_rerun_of_a_killed_run_resumes_and_repeats_the_losses_of_an_uninterrupte
     with pytest.raises(KeyboardInterrupt):
         run_train(cfg, tmp_path / "killed", data_dir=tiny_teacher)
     monkeypatch.setattr(DrafterComponent, "batch", real_batch)
-    resumed = run_train(cfg, tmp_path / "killed", data_dir=tiny_teacher)  # the same command again continues it
+    kept = sorted((tmp_path / "killed" / "checkpoints").iterdir())
+    assert [p.name for p in kept] == ["step-0000002"]
+    with pytest.raises(TrainError, match=r"checkpoints \(to step 2\) of another config \(trainer.lr: 0.0006 -> 0.001\)"
+                                         r".*trainer.resume=true"):
+        run_train(make_config("trainer.steps=4", "trainer.save_every=2", "trainer.lr=1e-3"), tmp_path / "killed",
+                  data_dir=tiny_teacher)
+    assert sorted((tmp_path / "killed" / "checkpoints").iterdir()) == kept  # nothing removed
+    restarted = make_config("trainer.steps=4", "trainer.save_every=2", *RUNTIME_CHANGES)
+    resumed = run_train(restarted, tmp_path / "killed", data_dir=tiny_teacher)  # the same run, lower memory
+    assert [m["step"] for m in metrics(resumed) if "loss" in m][:2] == [1, 2]  # steps 1-2 from before the kill
     assert len(losses(resumed)) == 4
-    assert losses(resumed) == pytest.approx(losses(full), rel=1e-6)
+    assert losses(resumed) == pytest.approx(losses(full), rel=1e-5)
+    ours, theirs = (load_file(str(r / "export" / "model.safetensors")) for r in (resumed, full))
+    assert ours.keys() == theirs.keys()
+    for k in ours:  # float32 sums in another order (sliced logits, eager attention): equal to float32 noise
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-5)
 
 
 def test_export_reloads_to_the_same_drafter(tiny_teacher, tmp_path, component):

@@ -28,9 +28,9 @@ class TrainingComponent(Protocol):
     name: str
     model: torch.nn.Module  # what the optimizer trains (frozen parts are held outside its parameters)
 
-    def step_items(self, step: int, parts: int = 1) -> list:
-        """The global batch of `step` (every process computes it; each takes its slice): a function of (seed, step).
-        parts: the micro-batches it is cut into over all processes (each needs an item)."""
+    def step_items(self, step: int) -> list:
+        """The global batch of `step` (every process computes it; each takes its slice): a function of (seed, step)
+        alone, whatever the number of processes it is cut over."""
 
     def item_sizes(self, items: list) -> list[int]:
         """The cost of each item (tokens), for the loop to cut micro-batches of even cost (ComponentHooks: 1 each)."""

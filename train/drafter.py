@@ -236,10 +236,10 @@ class DrafterComponent(ComponentHooks):
         return torch.tensor(sorted(ranked[:n]))
 
     # -- data ------------------------------------------------------------------------------------------------
-    def step_items(self, step: int, parts: int = 1) -> list[int]:
+    def step_items(self, step: int) -> list[int]:
         t = self.cfg.trainer
         if t.tokens_per_step:
-            return self.budget_steps(step, parts)
+            return self.budget_steps(step)
         return step_batch(self.train_idx, step, t.batch_sequences, self.cfg.seed)
 
     def item_sizes(self, items: list[int]) -> list[int]:

@@ -63,7 +63,7 @@ class FrozenDrafterComponent(ComponentHooks):
         return self.decay.expand(valid.shape[0], -1)
 
     # -- data ------------------------------------------------------------------------------------------------
-    def step_items(self, step: int, parts: int = 1) -> list[int]:
+    def step_items(self, step: int) -> list[int]:
         return step_batch(self.train_idx, step, self.settings.batch_sequences, self.cfg.seed)
 
     @torch.no_grad()

@@ -23,8 +23,9 @@ from omegaconf import DictConfig
 
 from dflash_pipeline.runtime.progress import Progress
 from dflash_pipeline.conf.schema import check_config
-from dflash_pipeline.runtime.stages import (config_hash, export_dir, frozen_drafter, marker, recorded_hash,
-                                            run_dir_of, teacher_dir, train_stage)
+from dflash_pipeline.runtime.stages import (config_hash, differences, export_dir, frozen_drafter, marker, recorded,
+                                            run_dir_of, same_config, set_aside, stage_config, teacher_dir,
+                                            train_stage)
 from dflash_pipeline.runtime.files import follow_umask
 from dflash_pipeline.data.splits import split_points
 from dflash_pipeline.conf import catalogue
@@ -93,6 +94,12 @@ class Stage:
     inputs: StageInputs
     digest: str
     settings: DictConfig
+    config: dict  # the stage's part of the config (runtime/stages.py stage_config), recorded beside its hash
+
+    @property
+    def record(self) -> dict:
+        """What done.json and every checkpoint's step.json record of the config, for a restart to compare."""
+        return {"config_hash": self.digest, "config": self.config}
 
     @property
     def label(self) -> str:  # what the bar and log lines are called
@@ -101,8 +108,10 @@ class Stage:
 
 def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, drafter_dir: Path | None
                ) -> Stage | None:
-    """The stage to run in `out`, or None when it is already complete for this config; refuses a folder that holds
-    a finished run of another config (a component on a frozen drafter is cheap and simply trained again)."""
+    """The stage to run in `out`, or None when it is already complete for this config. What an earlier run of another
+    config left there (a finished run, or a killed one's checkpoints) is never deleted: the drafter's is refused in
+    one line naming the differing keys (trainer.resume=true continues it), a component's (cheap, and a function of
+    the drafter) is moved aside to <out>/superseded/<its hash>/ and the component trained again."""
     entry = catalogue.component(name)
     own = cfg.get(name) if entry.config is not None else None
     stage = train_stage(name)
@@ -113,19 +122,27 @@ def plan_stage(cfg: DictConfig, out: Path, data_dir: Path | None, name: str, dra
         if not (inputs.drafter / "config.json").is_file():
             raise TrainError(f"{name} trains on a frozen drafter, and there is no exported drafter at "
                              f"{inputs.drafter}: run dflash-train (the drafter) first or set {name}.drafter_dir")
-    digest, finished = config_hash(cfg, stage), recorded_hash(stage, out)
-    t = loop_settings_of(cfg, name)
-    if finished == digest and not t.resume:
+    digest, t = config_hash(cfg, stage), loop_settings_of(cfg, name)
+    finished = recorded(stage, out)
+    if same_config(finished, cfg, stage) and not t.resume:
         log.info("%s: training already complete at %s (config %s): skipping", name, out, digest)
         return None
-    derived = entry.on_frozen_drafter  # cheap, and a function of the drafter: retrained when its config changes
-    if finished is not None and finished != digest and not t.resume and derived:
-        log.warning("%s holds a finished %s of another config; training it again for config %s", out, name, digest)
-        marker(stage, out).unlink(missing_ok=True)
-    elif finished is not None and finished != digest and not t.resume:
-        raise TrainError(f"{out} holds a finished run of a different config; choose another hydra.run.dir / name, "
-                         "or set trainer.resume=true to continue from its last checkpoint (e.g. to train longer)")
-    return Stage(name, out, inputs, digest, t)
+    last = next(reversed(checkpoints(out / "checkpoints")), None)
+    earlier = finished or (step_record(last) if last is not None else None)
+    if earlier is not None and not same_config(earlier, cfg, stage) and not t.resume:
+        what = "a finished run" if finished else f"checkpoints (to step {step_record(last)['step']})"
+        if not entry.on_frozen_drafter:
+            raise TrainError(f"{out} holds {what} of another config ({differences(earlier, cfg, stage)}): set "
+                             "trainer.resume=true to continue it with this config, or choose another hydra.run.dir")
+        kept = set_aside(out, earlier)
+        log.warning("%s held %s of another config (%s): moved to %s; training %s for config %s", out, what,
+                    differences(earlier, cfg, stage), kept, name, digest)
+    return Stage(name, out, inputs, digest, t, stage_config(cfg, stage))
+
+
+def step_record(checkpoint: Path) -> dict:
+    """A checkpoint's step.json: its step and the config it was saved under (config_hash, config)."""
+    return json.loads((checkpoint / "step.json").read_text())
 
 
 def make_accelerator(stage: Stage) -> Accelerator:
@@ -147,21 +164,17 @@ def make_accelerator(stage: Stage) -> Accelerator:
 
 
 def resume(accelerator: Accelerator, stage: Stage, parallel) -> int:
-    """The step to start from: a checkpoint of this very config (a killed run started again) is always continued,
-    as batches are a function of (seed, step) and this equals the uninterrupted run; trainer.resume=true also
-    continues another config's. A fresh run clears old checkpoints and metrics; a resumed one drops the metrics
-    logged after its checkpoint."""
+    """The step to start from: a checkpoint of this very config (a killed run started again, whatever memory or speed
+    setting changed) is always continued, as batches are a function of (seed, step) and this equals the
+    uninterrupted run; trainer.resume=true also continues another config's (plan_stage refused or set aside any
+    other). A resumed run drops the metrics logged after its checkpoint; a fresh one starts its metrics anew."""
     out, ckpt_dir = stage.out, stage.out / "checkpoints"
     start = 0
     last = next(reversed(checkpoints(ckpt_dir)), None)
-    same = last is not None and json.loads((last / "step.json").read_text()).get("config_hash") == stage.digest
-    if last is not None and (stage.settings.resume or same):
+    if last is not None:
         parallel.load(last)
-        start = json.loads((last / "step.json").read_text())["step"]
+        start = step_record(last)["step"]
         log.info("resumed from %s at step %d", last, start)
-    elif accelerator.is_main_process and out.exists():
-        shutil.rmtree(ckpt_dir, ignore_errors=True)  # a fresh run: old checkpoints would be misleading
-        (out / "metrics.jsonl").unlink(missing_ok=True)
     if accelerator.is_main_process and (out / "metrics.jsonl").is_file():
         lines = (out / "metrics.jsonl").read_text().splitlines()
         (out / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= start))
@@ -205,7 +218,7 @@ def run_train(cfg: DictConfig, out: Path, data_dir: Path | None = None, componen
     with parallel.unsharded() as trained:
         if accelerator.is_main_process:
             comp.export(trained, export_dir(out))
-            done = {"config_hash": stage.digest, "steps": t.steps}
+            done = {**stage.record, "steps": t.steps}
             marker(train_stage(name), out).write_text(json.dumps(done))
             log.info("exported the trained %s to %s", name, export_dir(out))
     accelerator.wait_for_everyone()
@@ -226,23 +239,26 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
     clock, seen = time.perf_counter(), {}
     bar = Progress(stage.label, t.steps, "step", initial=start, enabled=accelerator.is_main_process)
     for step in range(start, t.steps):
-        items = comp.step_items(step, parts)
-        sizes = comp.item_sizes(items)
-        runs = split_points(sizes, parts)[rank * t.grad_accum: (rank + 1) * t.grad_accum]
-        batches = [comp.batch(items[a:b], step, a) for a, b in runs]
-        norm = accelerator.reduce(torch.tensor(sum(comp.normaliser(b) for b in batches),
+        items = comp.step_items(step)
+        runs = split_points(comp.item_sizes(items), parts)[rank * t.grad_accum: (rank + 1) * t.grad_accum]
+        # a token-budget step may hold fewer sequences than micro-batches: an empty one runs the step's first
+        # sequence at weight 0, so every process takes part in the gradient's reduction and adds nothing to it
+        batches = [(comp.batch(items[a:b], step, a), 1.0) if b > a else (comp.batch(items[:1], step, 0), 0.0)
+                   for a, b in runs]
+        norm = accelerator.reduce(torch.tensor(sum(comp.normaliser(b) * w for b, w in batches),
                                                device=accelerator.device), "sum").item()
         loss_total, step_stats = 0.0, []
-        for m, batch in enumerate(batches):
+        for m, (batch, weight) in enumerate(batches):
             with parallel.sync(last=m == len(batches) - 1), accelerator.autocast():
                 autocast = autocast_dtype(accelerator.device)
                 loss_sum, stats = comp.loss(model, batch)
                 # DDP averages gradients over processes; scaling by world makes the result sum / global norm.
-                accelerator.backward(loss_sum * world / max(norm, 1e-9))
-            loss_total += loss_sum.item()
-            step_stats.append(stats)
-            for unit, n in comp.work(batch).items():
-                seen[unit] = seen.get(unit, 0) + n * world
+                accelerator.backward(loss_sum * (weight * world / max(norm, 1e-9)))
+            if weight:
+                loss_total += loss_sum.item()
+                step_stats.append(stats)
+                for unit, n in comp.work(batch).items():
+                    seen[unit] = seen.get(unit, 0) + n * world
         grad_norm = parallel.clip(params, t.grad_clip) if t.grad_clip > 0 else 0.0
         optimizer.step()
         scheduler.step()
@@ -253,7 +269,7 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
         metrics = {"loss": loss}
         if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
             elapsed = time.perf_counter() - clock
-            own_metrics = comp.train_metrics(step_stats)
+            own_metrics = comp.train_metrics(step_stats) if step_stats else {}  # a process of empty runs: none
             rates = {f"{unit}_per_s": n / elapsed for unit, n in seen.items()}
             metrics.update({"lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "autocast": autocast,
                             **own_metrics, **rates})
@@ -269,13 +285,13 @@ def train_steps(accelerator: Accelerator, stage: Stage, comp: TrainingComponent,
         logger.log(metrics, step + 1)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
             save_checkpoint(accelerator, parallel, stage.out / "checkpoints", step + 1, t.keep_checkpoints,
-                            stage.digest)
+                            stage.record)
             if accelerator.is_main_process:
                 comp.checkpointed(step + 1)  # e.g. a feature producer may drop the steps before it
     bar.close()
 
 
-def save_checkpoint(accelerator: Accelerator, parallel, folder: Path, step: int, keep: int, digest: str) -> None:
+def save_checkpoint(accelerator: Accelerator, parallel, folder: Path, step: int, keep: int, record: dict) -> None:
     """Model, optimizer and scheduler states (train/parallel.py: via accelerate, or full states under FSDP);
     step.json written last marks it complete."""
     path = folder / f"step-{step:07d}"
@@ -283,7 +299,7 @@ def save_checkpoint(accelerator: Accelerator, parallel, folder: Path, step: int,
     accelerator.wait_for_everyone()  # every process's files are written before their modes are set
     if accelerator.is_main_process:
         follow_umask(path)
-        (path / "step.json").write_text(json.dumps({"step": step, "config_hash": digest}))
+        (path / "step.json").write_text(json.dumps({"step": step, **record}))
         for old in checkpoints(folder)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
