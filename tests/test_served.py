@@ -382,8 +382,12 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     fails a planted export (a shifted d2t: position 1 named); and the engine as installed fails it with the engine
     named as the cause where its self-check finds the bug (vLLM 0.32's CPU build). A shifted MASK token or taps
     move this tiny drafter's acceptance at T = 0.1 too little for 16 decodes to tell: the greedy gate catches those
-    exactly (test_gate_catches_each_planted_mismatch_when_served)."""
+    exactly (test_gate_catches_each_planted_mismatch_when_served). Served without the drafter (a drafter that did not
+    load: vLLM's plain engine, once the others are closed), the greedy and the sampled gate both fail, saying the
+    engine drafted nothing."""
+    from dflash_pipeline.eval.decode import speculative
     from dflash_pipeline.models.target_sources import target_folder
+    from dflash_pipeline.models.vllm_engine import VLLMEngine
 
     cfg, target, export, drafter, prompts = served_run(vllm_run)
     B, new, T, seeds = drafter.config.block_size, 32, 0.1, [0, 1, 2, 3]
@@ -404,6 +408,15 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
     finally:
         for engine in pairs.values():
             engine.close()
+    eos = sorted(target.eos_ids)
+    with VLLMEngine(cfg.cache_dir, folder, "float32", 512, log_file=tmp_path / "vllm-unloaded.log") as unloaded:
+        plain_counts = gates.summed(unloaded.generate(prompts, new, eos)["spec"], B - 1)
+        plain_sampled = []  # as EnginePair.run_sampled records them: per seed, every prompt
+        for seed in seeds:
+            for p in prompts:
+                res = unloaded.generate([p], new, eos, temperature=T, seeds=[seed])
+                plain_sampled.append({**res["spec"][0], "output": res["outputs"][0], "seed": seed})
+        plain_info = {"version": unloaded.version, "checks": unloaded.checks, "repaired": unloaded.repaired}
     mended, planted, stock = verdicts["mended"], verdicts["planted"], verdicts["stock"]
     checks = pairs["mended"].spec.checks
     assert mended["gate"]["pass"], mended["gate"]["line"]
@@ -415,6 +428,14 @@ def test_gate_at_temperature_on_the_tiny_target(vllm_run, tmp_path):
         assert not stock["gate"]["pass"] and "the engine's bug, vLLM" in line and "repair=true" in line, line
     else:  # a vLLM whose CPU rejection sampler is right: as installed is as mended
         assert stock["gate"]["pass"], stock["gate"]["line"]
+    own_greedy = gates.own_counts([speculative(target, drafter, p, new).accepted for p in prompts], B - 1)
+    unloaded_gates = (gates.gate(own_greedy, plain_counts, "float32", 0.02, True, {}, {}),
+                      gates.sampled_gate(own["greedy_draft"], plain_sampled, B - 1, alpha, "greedy_draft", T,
+                                         served.distribution(target, prompts, plain_sampled, T), plain_info,
+                                         seeds=len(seeds)))
+    for v in unloaded_gates:
+        assert not v["pass"] and "the engine drafted nothing" in v["line"] and "is the drafter loaded?" in v["line"], \
+            v["line"]
 
 
 @pytest.mark.slow
