@@ -326,7 +326,11 @@ def test_wrong_component_and_mismatched_dataset_fail_clearly(tiny_teacher, tmp_p
 @pytest.mark.slow
 def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path):
     """accelerate launch with 2 CPU processes (gloo) and the same global batch gives the same losses, and a
-    1-process run resumed on 2 processes continues that curve."""
+    1-process run resumed on 2 processes continues that curve. With a token budget (trainer.tokens_per_step) of
+    the median sequence, some steps hold one sequence (the second process's micro-batch is empty): a run of 2
+    processes resumed on 1 takes the same steps to the same losses and weights as 1 process throughout."""
+    from dflash_pipeline.data.shards import TeacherDataset
+
     def launch(n: int, run_dir: Path, *extra: str):
         run_command(accelerate_launch(n, "-m", "dflash_pipeline.train", "experiment=tiny", f"hydra.run.dir={run_dir}",
                                       f"trainer.data_dir={tiny_teacher}", "trainer.eval_every=100",
@@ -337,9 +341,16 @@ def test_two_processes_follow_the_one_process_loss_curve(tiny_teacher, tmp_path)
     two = launch(2, tmp_path / "two", "trainer.steps=4")
     assert len(one) == len(two) == 4
     assert two == pytest.approx(one, rel=1e-4)
-    launch(1, tmp_path / "switch", "trainer.steps=2")
-    switched = launch(2, tmp_path / "switch", "trainer.steps=4", "trainer.resume=true")
-    assert switched == pytest.approx(one, rel=1e-4)
+
+    data = TeacherDataset(tiny_teacher)
+    budget = f"trainer.tokens_per_step={sorted(data.length(i) for i in range(len(data.ids)))[len(data.ids) // 2]}"
+    one_budget = launch(1, tmp_path / "budget", "trainer.steps=4", budget)
+    launch(2, tmp_path / "switch", "trainer.steps=2", budget)
+    switched = launch(1, tmp_path / "switch", "trainer.steps=4", "trainer.resume=true", budget)
+    assert len(switched) == 4 and switched == pytest.approx(one_budget, rel=1e-4)
+    ours, theirs = (load_file(str(tmp_path / r / "train" / "export" / "model.safetensors")) for r in ("switch", "budget"))
+    for k in theirs:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-5)
 
 
 def test_training_subsets_are_nested_and_share_the_heldout_split(tiny_teacher):
