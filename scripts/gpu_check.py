@@ -15,7 +15,8 @@ the target's width, block 16, 5 tapped layers) on it; then, each section timed:
             n = 1..16, the drafter's block forward, a plain AR step, and trees of 16..128 nodes, in the same unit;
 - kernels   the drafter's attention kernels on one packed batch in float32 (flex_attention compiled with its block
             mask; sdpa with the whole mask and in row slices): outputs and gradients against eager (the largest
-            difference relative to the largest entry), and ms per forward + backward of each;
+            difference relative to the largest entry, failing past KERNEL_TOLERANCE), and ms per forward + backward
+            of each;
 - train     packed multi-anchor drafter steps (data/blocks.py pack_blocks, train/losses.py decay loss) on features
             the target computes for random sequences (models/generation.py recapture), AdamW with float32 weights
             under autocast in the target's dtype (what train/loop.py gets from accelerate's bf16): block positions
@@ -42,6 +43,9 @@ the target's width, block 16, 5 tapped layers) on it; then, each section timed:
 --skip SECTION... leaves sections out (e.g. `--skip costs train decodes fsdp` runs only dflash2 after the build).
 Prints a summary and writes everything as JSON to --out (default $OUT/gpu_check.json when OUT is set, else
 ./gpu_check.json), atomically, after every section: a run stopped at its time limit keeps what it finished.
+Exits 1 when a check fails (`failures`: a section's error, a kernel past KERNEL_TOLERANCE, a non-finite training
+loss, a decode or served output that is wrong rather than a near-tie), each failure one line `FAILED ...`, also
+under "failures" in the JSON.
 """
 from __future__ import annotations
 
@@ -79,6 +83,13 @@ OPTIONAL = ("costs", "kernels", "train", "decodes", "fsdp", "dflash2")  # what -
 DFLASH2_TARGET = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=64, vocab_size=1024, initializer_range=0.1)
 DFLASH2_TAPS, DFLASH2_BLOCK, DFLASH2_PROMPTS, DFLASH2_PROMPT_LEN, DFLASH2_NEW_TOKENS = [0, 3], 8, 4, 32, 48
+# The kernels section's verdict on each kernel against eager: the largest difference of its output and of each
+# gradient, relative to the largest entry, at most this. The section runs the drafter in float32 (no autocast; IEEE
+# matmuls, torch's default, in flex's compiled kernel too), where only the order of sums differs: sdpa against eager
+# measured on a CPU at output 3e-7 and gradients 8e-5 (tiny scale), 1.6e-6 and 2.2e-4 (width 1024, 512-token
+# sequences), the gradients' growing with the shape (the norms' gradients are sums that cancel). A wrong mask or a
+# wrong backward moves them by 1e-1 and more.
+KERNEL_TOLERANCE = {"out": 1e-4, "grad": 1e-2}
 # Per-scale defaults of the run sizes (the tiny ones keep a CPU run well under a minute).
 DEFAULTS = {
     "qwen3_8b": dict(context=512, cost_repeats=12, train_steps=300, train_seqs=4, train_len=1024, anchors=256,
@@ -118,6 +129,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, help="random prompt tokens per decode (default: 128; tiny 16)")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="near-tie tolerance in nats (default: eval.exactness.DEFAULT_TOLERANCE)")
+    ap.add_argument("--kernel-tolerance", type=float, nargs=2, metavar=("OUT", "GRAD"),
+                    default=[KERNEL_TOLERANCE["out"], KERNEL_TOLERANCE["grad"]],
+                    help="the kernels' largest relative difference from eager, output and gradients "
+                         "(default: %(default)s, KERNEL_TOLERANCE)")
     ap.add_argument("--fsdp-procs", type=int, default=None,
                     help="processes of the fsdp section (default: the GPU count when above 1, else the section is "
                          "skipped; on a CPU, gloo processes)")
@@ -675,6 +690,46 @@ def dflash2(run: Run, res: dict, args) -> None:
         raise RuntimeError("; ".join(errors))
 
 
+def failures(r: dict) -> list[str]:
+    """Every check the results fail, one line each: a section's error, a kernel's output or gradients further from
+    eager than the run's kernel tolerance (NaN too), a non-finite training loss, and a decode or served output
+    classified wrong (eval/exactness.py: it differs beyond a near-tie, a bug in verification)."""
+    lines = [f"{name}: {error}" for name, error in r["errors"].items()]
+    out_tol, grad_tol = r["config"]["kernel_tolerance"]
+    for key, value in r.get("kernels", {}).items():
+        for kind, tol in (("out", out_tol), ("grad", grad_tol)):
+            if key.endswith(f"_{kind}_rel_diff") and not value <= tol:
+                what = "output differs" if kind == "out" else "gradients differ"
+                lines.append(f"kernels: {key.removesuffix(f'_{kind}_rel_diff')}'s {what} from eager's by {value:.2e} "
+                             f"of the largest entry, over {tol:g} (--kernel-tolerance, KERNEL_TOLERANCE)")
+    t = r.get("train", {})
+    if t.get("losses_finite") is False:
+        lines.append(f"train: a loss is not finite: {t['losses']}")
+    for i, row in enumerate(r.get("decodes", {}).get("decodes", [])):
+        if row["kind"] == "wrong":
+            lines.append(f"decodes: decode {i + 1}'s speculative output differs from the autoregressive one at token "
+                         f"{row['position']} beyond a near-tie (gap {row['logprob_gap']})")
+    v = r.get("dflash2", {})
+    for key, what in (("spec_vs_plain", "speculative output differs from its plain one"),
+                      ("hf_vs_plain", "plain output differs from transformers' greedy one")):
+        for i, row in enumerate(v.get(key) or []):
+            if row["kind"] == "wrong":
+                lines.append(f"dflash2: prompt {i + 1}: vLLM's {what} at token {row['position']} beyond a near-tie "
+                             f"(gap {row['logprob_gap']})")
+    return lines
+
+
+def report(run: Run) -> int:
+    """The summary, the failures (recorded, then one line each) and the exit code: 1 when any check failed."""
+    r = run.results
+    r["failures"] = failures(r)
+    run.write()
+    summary(r)
+    for line in r["failures"]:
+        print(f"FAILED {line}")
+    return 1 if r["failures"] else 0
+
+
 def summary(r: dict) -> None:
     m = r.get("machine", {})
     print(f"\n{m.get('gpu') or m.get('cpu')}: torch {m.get('torch')}, transformers {m.get('transformers')}, "
@@ -750,8 +805,7 @@ def main() -> int:
         if "dflash2" not in args.skip:  # it builds its own target: needs neither the build nor transformers' `cache=`
             with run.section("dflash2") as res:
                 dflash2(run, res, args)
-        summary(r)
-        return 1
+        return report(run)
     target = SimpleNamespace(model=model, eos_ids=set())
     if "costs" not in args.skip:
         with run.section("costs") as res:
@@ -784,9 +838,7 @@ def main() -> int:
     if "dflash2" not in args.skip:
         with run.section("dflash2") as res:
             dflash2(run, res, args)
-    run.write()
-    summary(r)
-    return 1 if r["errors"] else 0
+    return report(run)
 
 
 if __name__ == "__main__":
