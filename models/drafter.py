@@ -180,14 +180,19 @@ class PackedMask:
         return torch.where(kv < Tc, sees, (kv - Tc) // B == block)
 
     def block_mask(self):
-        """flex_attention's BlockMask (built once per forward, shared by every layer): tiles no query sees are
-        skipped, and no dense matrix exists."""
+        """flex_attention's BlockMask (built once per forward, shared by every layer): the kernel skips the tiles no
+        query sees. Built uncompiled, so `sees` runs once over every (query, key) pair: dense (Bc, 1, Nb*B, Tc + Nb*B)
+        bools on the device, freed once the block mask is made (sdpa's whole-mask path builds that matrix, and SDPA a
+        float copy, in every layer). Compiled (torch.compile(create_block_mask); `_compile=True` is deprecated in
+        torch 2.13) they would not exist, but `sees` reads Tc and B as Python ints, so every new context length
+        recompiles (2.5-37 s each on a CPU)."""
         if self._block_mask is None:
             from torch.nn.attention.flex_attention import create_block_mask
 
             Bc = self.anchor_pos.shape[0]
-            self._block_mask = create_block_mask(lambda b, h, q, kv: self.sees(b, q, kv), Bc, None, self.num_blocks * self.block_size,
-                                                 self.num_keys, device=self.anchor_pos.device)
+            self._block_mask = create_block_mask(lambda b, h, q, kv: self.sees(b, q, kv), Bc, None,
+                                                 self.num_blocks * self.block_size, self.num_keys,
+                                                 device=self.anchor_pos.device)
         return self._block_mask
 
 
