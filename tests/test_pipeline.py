@@ -47,20 +47,44 @@ def test_smollm2_experiments_run_a_few_steps_on_the_real_target(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_long_context_recipe_takes_long_conversations_and_steps_by_tokens(tmp_path):
+def test_long_context_recipe_takes_long_conversations_and_steps_by_tokens(tmp_path, monkeypatch):
     """experiment=long_context on the real target, shortened (first turns of 512 prompt tokens and 48 reply tokens
     of conversations of at least 2,000 tokens over all their turns: only 2 of the package's conversations reach 4,000
-    with a first prompt that short), prefilled, trained in token-budget steps."""
+    with a first prompt that short), prefilled, trained in token-budget steps, with the logits and the packed
+    attention in slices (small slices here, as the recipe's sequences of 8k tokens need at its own settings)."""
+    from dflash_pipeline.models.drafter import PackedMask
+    from dflash_pipeline.train.drafter import DrafterComponent
+
     recipe = make_config("experiment=long_context")
     assert (recipe.teacher.mode, recipe.data.min_tokens, recipe.trainer.tokens_per_step) == ("prefill", 4000, 16384)
+    seen = {"steps": [], "loss_slices": [], "attention_slices": []}
+
+    def spy(name, real, record):
+        def wrapper(*args, **kwargs):
+            out = real(*args, **kwargs)
+            seen[name].append(record(args, out))
+            return out
+        return wrapper
+
+    monkeypatch.setattr(DrafterComponent, "step_items", spy(
+        "steps", DrafterComponent.step_items, lambda a, out: [a[0].data.length(i) for i in out]))
+    monkeypatch.setattr(DrafterComponent, "loss_slices", spy("loss_slices", DrafterComponent.loss_slices,
+                                                             lambda a, out: len(out)))
+    monkeypatch.setattr(PackedMask, "row_chunks", spy("attention_slices", PackedMask.row_chunks, lambda a, out: len(out)))
     cfg = make_config("experiment=long_context", "data.num_samples=3", "data.max_prompt_tokens=512",
                       "data.min_tokens=2000", "teacher.max_turns=1", "teacher.max_new_tokens=48", "trainer.steps=2",
-                      "trainer.heldout_samples=1", "trainer.tokens_per_step=600", "logger=none")
+                      "trainer.heldout_samples=1", "trainer.tokens_per_step=600", "trainer.logits_chunk_mb=2",
+                      "drafter.attention_chunk_mb=1", "logger=none")
     out = run_stages(cfg, tmp_path, ["teacher", "train"])
     manifest = json.loads((out["teacher"] / "manifest.json").read_text())
     assert manifest["num_samples"] == manifest["num_prefilled"] == 3
     lines = [json.loads(l) for l in (out["train"] / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2] and "tau_offline" in lines[-1]["heldout"]
+    # each step takes sequences until their tokens reach the budget (without the one that reached it: below)
+    assert len(seen["steps"]) == 2
+    for lengths in seen["steps"]:
+        assert len(lengths) >= 2 and sum(lengths) - max(lengths) < 600 <= sum(lengths), lengths
+    assert max(seen["loss_slices"]) > 1 and max(seen["attention_slices"]) > 1, seen  # the sliced paths ran
 
 
 def test_smollm2_best_is_the_measured_recipe_as_one_command():
