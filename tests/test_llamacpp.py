@@ -101,7 +101,10 @@ def test_dflash2_selector_walk_in_llamacpp_passes_the_gate(llamacpp_run, tmp_pat
     trained selector) written as GGUF and served by llama-server, whose selector walk drafts what the own loop's
     selector_greedy drafts: the gate passes, and the selector changes the drafts (its tau is not the chain's)."""
     run = tmp_path / "dflash2"
+    # the convolution drafter starts from the fixture's trained DFlash drafter (its convolution the identity, as a
+    # DFlash2 fine-tune does): 40 steps then give it the acceptance 150 from random weights would
     run_command(["dflash-pipeline", "experiment=tiny_llamacpp_dflash2", f"trainer.data_dir={llamacpp_run / 'teacher'}",
+                 f"drafter.init_from={llamacpp_run / 'train' / 'export'}", "trainer.steps=40",
                  "eval.datasets=[mtbench]", f"hydra.run.dir={run}"], timeout=1800)
     serve = json.loads((run / "train" / "selector" / "export" / "gguf" / "serve.json").read_text())
     assert serve["architecture"] == "DFlash2DraftModel"
