@@ -34,7 +34,9 @@ def pytest_configure(config):
 # The modules holding the longest runs (vLLM engines, each family's pipeline): collected first. Under
 # `--dist loadscope` each module runs whole on one worker (its module fixtures built once) and modules are handed out
 # in collection order, so the two workers start on the long ones and end together.
-LONGEST_FIRST = ("test_served", "test_targets", "test_producer", "test_pipeline", "test_sweeps", "test_train")
+# test_llamacpp (its tiny_llamacpp run and the DFlash2 walk, about 300 s in all) is among them.
+LONGEST_FIRST = ("test_served", "test_targets", "test_llamacpp", "test_producer", "test_pipeline", "test_sweeps",
+                 "test_train")
 
 
 def pytest_collection_modifyitems(config, items):
