@@ -245,11 +245,6 @@ def recorded(stage: str, folder: str | Path) -> dict | None:
         return None
 
 
-def recorded_hash(stage: str, folder: Path) -> str | None:
-    """The config hash of the stage's record (recorded); None when there is none."""
-    return (recorded(stage, folder) or {}).get("config_hash")
-
-
 def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | None = None,
                components: tuple[str, ...] = ()) -> dict[str, Path]:
     """The folder of every stage for a job in `run_dir`: teacher, train (the drafter), train/<c> for each of
@@ -264,7 +259,8 @@ def stage_dirs(cfg: DictConfig, run_dir: str | Path, shared_dir: str | Path | No
     dirs = {stage: stage_dir(cfg, stage, run_dir) for stage in stages}
     if shared_dir is not None:
         teacher = stage_dir(cfg, "teacher", shared_dir)
-        if recorded("teacher", teacher) is None or same_config(recorded("teacher", teacher), cfg, "teacher"):
+        record = recorded("teacher", teacher)
+        if record is None or same_config(record, cfg, "teacher"):
             dirs["teacher"] = teacher
         for stage in stages[1:-1]:  # a trained stage finished there with this very config
             theirs = stage_dir(cfg, stage, shared_dir)
